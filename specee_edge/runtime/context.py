@@ -1,0 +1,213 @@
+"""A llama_context that can stop a token's forward pass after any layer.
+
+Thin wrappers over llama-cpp-python's low-level API plus the patched C API (see _bindings.py).
+One sequence per context; positions follow the KV cache (each decode appends).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from llama_cpp import llama_cpp as _llama
+
+from specee_edge.errors import ContextFullError, SpecEEError, UnsupportedModelError
+from specee_edge.runtime._bindings import C, KV_MODES, MAX_CANDIDATES, probe_callback_t
+from specee_edge.runtime.model import Model
+
+# called after an active probe with (layer, candidate logits); returns True to stop the token there
+ProbeCallback = Callable[[int, np.ndarray], bool]
+
+SEQ = 0
+
+
+def _int32_array(values: Sequence[int]) -> ctypes.Array:
+    return (ctypes.c_int32 * len(values))(*values)
+
+
+class Context:
+    """A llama_context over `model`, single sequence, optionally with early exit enabled."""
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        n_ctx: int = 2048,
+        n_batch: int = 512,
+        n_threads: int = 2,
+        flash_attn: bool = False,
+    ):
+        self.model = model
+        params = _llama.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_seq_max = 1
+        params.n_threads = n_threads
+        params.n_threads_batch = n_threads
+        params.flash_attn_type = 1 if flash_attn else 0
+        self._ctx = _llama.llama_init_from_model(model.handle, params)
+        if not self._ctx:
+            raise SpecEEError(f"llama.cpp could not create a context of {n_ctx} tokens for {model.info.path}")
+        self._mem = _llama.llama_get_memory(self._ctx)
+        self.n_ctx = _llama.llama_n_ctx(self._ctx)
+        self.n_batch = _llama.llama_n_batch(self._ctx)  # llama.cpp clamps it to the requested n_ctx
+        self.n_vocab = model.info.n_vocab
+        self.n_cand = 0
+        self._probe_callback: ProbeCallback | None = None
+        self._c_callback = probe_callback_t(self._on_probe)  # kept alive as long as the context
+        self._callback_error: BaseException | None = None
+
+    # --- early exit set-up -------------------------------------------------------------------
+
+    def enable_early_exit(self, n_cand: int = 4, kv_mode: str = "mask") -> None:
+        """Build candidate probes into single-token graphs; `kv_mode` handles the skipped layers' K/V."""
+        if kv_mode not in KV_MODES:
+            raise SpecEEError(f"unknown KV mode {kv_mode!r}: choose one of {', '.join(KV_MODES)}")
+        if not 1 <= n_cand <= MAX_CANDIDATES:
+            raise SpecEEError(f"the number of candidates must be in 1..{MAX_CANDIDATES}, got {n_cand}")
+        rc = C["llama_specee_enable"](self._ctx, n_cand, KV_MODES[kv_mode])
+        if rc == -1:
+            raise UnsupportedModelError(
+                f"early exit does not support the {self.model.info.arch!r} architecture "
+                "(supported: llama, qwen2, qwen3)"
+            )
+        if rc != 0:
+            raise SpecEEError(f"llama_specee_enable failed ({rc})")
+        self.n_cand = n_cand
+        self.kv_mode = kv_mode
+        C["llama_specee_set_callback"](self._ctx, self._c_callback, None)
+
+    def set_probe_layers(self, layers: Sequence[int]) -> None:
+        """Layers whose probe calls the callback; each in [0, n_layer - 1)."""
+        self._require_early_exit()
+        last = self.model.info.n_layer - 1
+        for il in layers:
+            if not 0 <= il < last:
+                raise SpecEEError(f"probe layer {il} is out of range [0, {last})")
+        if C["llama_specee_set_probe_layers"](self._ctx, _int32_array(layers), len(layers)) != 0:
+            raise SpecEEError("llama_specee_set_probe_layers failed")
+
+    def set_candidates(self, token_ids: Sequence[int]) -> None:
+        self._require_early_exit()
+        if len(token_ids) != self.n_cand:
+            raise SpecEEError(f"expected {self.n_cand} candidates, got {len(token_ids)}")
+        if C["llama_specee_set_candidates"](self._ctx, _int32_array(token_ids), len(token_ids)) != 0:
+            raise SpecEEError(f"candidate ids must be in [0, {self.n_vocab}): {list(token_ids)}")
+
+    def set_probe_callback(self, callback: ProbeCallback | None) -> None:
+        self._probe_callback = callback
+
+    def probe_logits(self) -> np.ndarray:
+        """Inside the probe callback: the probed layer's full-vocabulary exit logits (a copy)."""
+        ptr = C["llama_specee_probe_logits"](self._ctx)
+        if not ptr:
+            raise SpecEEError("probe_logits() is only valid inside a probe callback")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def _on_probe(self, il: int, cand_logits, n_cand: int, _user_data) -> bool:
+        if self._probe_callback is None or self._callback_error is not None:
+            return False
+        try:
+            return bool(self._probe_callback(il, np.ctypeslib.as_array(cand_logits, shape=(n_cand,))))
+        except BaseException as e:  # noqa: BLE001 - re-raised after llama_decode returns
+            self._callback_error = e
+            return False
+
+    def _require_early_exit(self) -> None:
+        if not self.n_cand:
+            raise SpecEEError("early exit is not enabled on this context")
+
+    # --- decoding ----------------------------------------------------------------------------
+
+    @property
+    def n_past(self) -> int:
+        return _llama.llama_memory_seq_pos_max(self._mem, SEQ) + 1
+
+    def decode(self, tokens: Sequence[int]) -> int | None:
+        """Append `tokens`; logits for the last one. Returns the exit layer, or None for full depth."""
+        if not tokens:
+            raise SpecEEError("nothing to decode")
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise ContextFullError(
+                f"context full: {self.n_past} + {len(tokens)} tokens exceed the context of {self.n_ctx}"
+                " (use a larger -c/--ctx-size or clear the conversation)"
+            )
+        for t in tokens:
+            if not 0 <= t < self.n_vocab:
+                raise SpecEEError(f"token id {t} is out of range [0, {self.n_vocab})")
+        # n_batch tokens at a time; llama_batch_get_one asks for the logits of each chunk's last token
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start : start + self.n_batch]
+            array = (_llama.llama_token * len(chunk))(*chunk)
+            rc = _llama.llama_decode(self._ctx, _llama.llama_batch_get_one(array, len(chunk)))
+            self._raise_callback_error()
+            if rc == 1:
+                raise ContextFullError("context full: no KV cache slot for the batch")
+            if rc != 0:
+                raise SpecEEError(f"llama_decode failed ({rc})")
+        return self.exit_layer
+
+    def resume(self) -> int | None:
+        """Continue the last stopped token from the layer after its exit (probes still active)."""
+        rc = C["llama_specee_resume"](self._ctx)
+        self._raise_callback_error()
+        if rc < 0:
+            raise SpecEEError(f"llama_specee_resume failed ({rc})")
+        if rc == 1:
+            raise SpecEEError("nothing to resume: the last token did not stop early")
+        return self.exit_layer
+
+    def _raise_callback_error(self) -> None:
+        if self._callback_error is not None:
+            error, self._callback_error = self._callback_error, None
+            raise error
+
+    @property
+    def exit_layer(self) -> int | None:
+        il = C["llama_specee_exit_layer"](self._ctx) if self.n_cand else -1
+        return None if il < 0 else il
+
+    def logits(self) -> np.ndarray:
+        """Logits of the last decoded token (a view valid until the next decode)."""
+        ptr = _llama.llama_get_logits_ith(self._ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    # --- hidden states (calibration) ---------------------------------------------------------
+
+    def set_capture_layers(self, layers: Sequence[int]) -> None:
+        """Record these layers' outputs (before the final norm) for every token of each decode."""
+        self._require_early_exit()
+        if C["llama_specee_set_capture_layers"](self._ctx, _int32_array(layers), len(layers)) != 0:
+            raise SpecEEError(f"capture layers must be in [0, {self.model.info.n_layer}): {list(layers)}")
+
+    def captured(self, layer: int) -> np.ndarray:
+        """[n_rows, n_embd] hidden states of `layer` from the last decode (a copy)."""
+        n_rows = ctypes.c_int32(0)
+        ptr = C["llama_specee_get_capture"](self._ctx, layer, ctypes.byref(n_rows))
+        if not ptr:
+            return np.zeros((0, self.model.info.n_embd), dtype=np.float32)
+        return np.ctypeslib.as_array(ptr, shape=(n_rows.value, self.model.info.n_embd)).copy()
+
+    # --- KV cache ----------------------------------------------------------------------------
+
+    def cell_depth(self, pos: int) -> int:
+        """Last layer whose K/V the token at `pos` holds (n_layer - 1 when complete), -1 if absent."""
+        return C["llama_specee_cell_depth"](self._ctx, SEQ, pos)
+
+    def clear(self) -> None:
+        _llama.llama_memory_clear(self._mem, True)
+
+    def truncate(self, n_keep: int) -> None:
+        """Forget every position from `n_keep` on."""
+        if not _llama.llama_memory_seq_rm(self._mem, SEQ, n_keep, -1):
+            raise SpecEEError(f"could not remove positions from {n_keep} on")
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            _llama.llama_free(self._ctx)
+            self._ctx = None
+
+    def __del__(self) -> None:
+        self.close()

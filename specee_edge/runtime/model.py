@@ -1,0 +1,104 @@
+"""A loaded GGUF model: thin wrapper over llama_model with the facts early exit needs."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from llama_cpp import llama_cpp as _llama
+
+from specee_edge.errors import ModelLoadError
+from specee_edge.runtime._bindings import C
+from specee_edge.runtime.logging import quiet_llama_logs
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: Path
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    supports_early_exit: bool
+
+
+def check_gguf_file(path: str | os.PathLike) -> Path:
+    """Fail with a one-line message unless `path` is a readable file that starts like a GGUF."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"model file not found: {path}")
+    if not path.is_file():
+        raise ModelLoadError(f"model path is not a file: {path}")
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read model file {path}: {e.strerror}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"not a GGUF file: {path}")
+    return path
+
+
+class Model:
+    """A llama_model loaded from a GGUF file (freed by close() or when collected)."""
+
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0):
+        path = check_gguf_file(path)
+        quiet_llama_logs()
+        params = _llama.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        self._model = _llama.llama_model_load_from_file(str(path).encode(), params)
+        if not self._model:
+            raise ModelLoadError(f"llama.cpp could not load {path} (corrupt, truncated or unsupported GGUF)")
+        self._vocab = _llama.llama_model_get_vocab(self._model)
+        self.info = ModelInfo(
+            path=path,
+            arch=self.meta("general.architecture") or "unknown",
+            n_layer=_llama.llama_model_n_layer(self._model),
+            n_embd=_llama.llama_model_n_embd(self._model),
+            n_vocab=_llama.llama_vocab_n_tokens(self._vocab),
+            supports_early_exit=bool(C["llama_specee_supported"](self._model)),
+        )
+
+    @property
+    def handle(self) -> int:
+        return self._model
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1024)
+        n = _llama.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        tokens = (_llama.llama_token * capacity)()
+        n = _llama.llama_tokenize(self._vocab, data, len(data), tokens, capacity, add_special, parse_special)
+        if n < 0:
+            capacity = -n
+            tokens = (_llama.llama_token * capacity)()
+            n = _llama.llama_tokenize(self._vocab, data, len(data), tokens, capacity, add_special, parse_special)
+        return list(tokens[:n])
+
+    def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = _llama.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = _llama.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def is_eog(self, token: int) -> bool:
+        return bool(_llama.llama_vocab_is_eog(self._vocab, token))
+
+    def close(self) -> None:
+        if getattr(self, "_model", None):
+            _llama.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        self.close()

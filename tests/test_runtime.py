@@ -1,0 +1,345 @@
+"""The patched runtime: probes, stops, exit logits, resume, KV modes, bad input.
+
+Tiny random-weight GGUFs (one per supported architecture) and the default model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from llama_cpp import Llama
+
+from specee_edge.errors import ContextFullError, ModelLoadError, SpecEEError, UnsupportedModelError
+from specee_edge.runtime import Context, Model
+from tests.conftest import CHAT_PROMPT, tiny_model_path
+from tests.logit_lens import LogitLens
+from tests.tiny_gguf import write_corrupt_model
+
+SUPPORTED_ARCHS = ["llama", "qwen2", "qwen3"]
+TINY_PROMPT = "hello world, the quick brown fox"
+
+
+def greedy(ctx: Context, prompt: list[int], n: int) -> list[int]:
+    ctx.decode(prompt)
+    out = []
+    for _ in range(n):
+        token = int(np.argmax(ctx.logits()))
+        out.append(token)
+        ctx.decode([token])
+    return out
+
+
+def stop_at(layer: int):
+    """A probe callback that stops every token at `layer`."""
+    return lambda il, cand_logits: il == layer
+
+
+def top_k(logits: np.ndarray, k: int) -> list[int]:
+    return [int(t) for t in np.argsort(-logits)[:k]]
+
+
+# --- hooks off / never stopping ------------------------------------------------------------
+
+
+def test_hooks_off_matches_stock_llama(default_model):
+    """Our context, with and without early exit enabled (never stopping), decodes exactly like stock Llama."""
+    prompt = default_model.tokenize(CHAT_PROMPT)
+    llm = Llama(model_path=str(default_model.info.path), n_ctx=512, n_threads=2, verbose=False)
+    stock = []
+    for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+        stock.append(token)
+        if len(stock) == 64:
+            break
+
+    plain = Context(default_model, n_ctx=512)
+    assert greedy(plain, prompt, 64) == stock
+
+    probing = Context(default_model, n_ctx=512)
+    probing.enable_early_exit(4, "mask")
+    probing.set_probe_layers(range(default_model.info.n_layer - 1))
+    calls = []
+    probing.set_probe_callback(lambda il, z: calls.append(il) or False)
+    assert greedy(probing, prompt, 64) == stock
+    # prompt processing never probes; each generated token probes every layer but the last
+    assert len(calls) == 64 * (default_model.info.n_layer - 1)
+
+
+def test_prompt_processing_never_stops(default_model):
+    ctx = Context(default_model, n_ctx=512)
+    ctx.enable_early_exit(4, "mask")
+    ctx.set_probe_layers([5])
+    calls = []
+    ctx.set_probe_callback(lambda il, z: calls.append(il) or True)
+    assert ctx.decode(default_model.tokenize(CHAT_PROMPT)) is None
+    assert calls == []
+
+
+# --- stop, exit logits, resume --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("tied", [False, True])
+def test_stop_gives_logit_lens_of_the_exit_layer(tiny_dir, arch, tied):
+    path = tiny_model_path(tiny_dir, arch, tied_embeddings=tied)
+    model = Model(path)
+    lens = LogitLens.from_gguf(path)
+    layer = model.info.n_layer // 2
+
+    ctx = Context(model, n_ctx=128)
+    ctx.enable_early_exit(4, "mask")
+    ctx.set_capture_layers([layer])
+    ctx.set_probe_layers([layer])
+    probes = []
+    ctx.set_probe_callback(lambda il, z: probes.append((il, z.copy())) or True)
+    ctx.decode(model.tokenize(TINY_PROMPT))
+    candidates = top_k(ctx.logits(), 4)
+    ctx.set_candidates(candidates)
+
+    assert ctx.decode([candidates[0]]) == layer
+    (hidden,) = ctx.captured(layer)
+    expected = lens(hidden)
+    # F32 weights: only float rounding separates llama.cpp from numpy
+    np.testing.assert_allclose(ctx.logits(), expected, rtol=1e-4, atol=1e-4)
+    assert probes[0][0] == layer
+    np.testing.assert_allclose(probes[0][1], expected[candidates], rtol=1e-4, atol=1e-4)
+
+
+def test_stop_on_the_default_model_matches_numpy(default_model):
+    lens = LogitLens.from_gguf(default_model.info.path)
+    layer = 20
+    ctx = Context(default_model, n_ctx=512)
+    ctx.enable_early_exit(4, "mask")
+    ctx.set_capture_layers([layer])
+    ctx.set_probe_layers([layer])
+    seen = {}
+
+    def callback(il, cand_logits):
+        seen["probe"] = cand_logits.copy()
+        seen["exit"] = ctx.probe_logits()
+        return True
+
+    ctx.set_probe_callback(callback)
+    ctx.decode(default_model.tokenize(CHAT_PROMPT))
+    candidates = top_k(ctx.logits(), 4)
+    ctx.set_candidates(candidates)
+    assert ctx.decode([candidates[0]]) == layer
+    assert ctx.exit_layer == layer
+
+    (hidden,) = ctx.captured(layer)
+    expected = lens(hidden)
+    # Q8_0 LM head: llama.cpp quantizes the normed activations to 8 bits for the dot products,
+    # which moves logits of magnitude ~30 by up to ~0.1; the probe uses F32 rows
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(ctx.logits(), expected, atol=0.01 * scale)
+    np.testing.assert_allclose(seen["probe"], expected[candidates], atol=0.01 * scale)
+    # the logits seen by the callback are the ones the stop produced, not a recomputation
+    np.testing.assert_array_equal(seen["exit"], ctx.logits())
+    assert int(np.argmax(ctx.logits())) == int(np.argmax(expected))
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_resume_equals_a_decode_that_never_stopped(tiny_dir, arch):
+    model = Model(tiny_model_path(tiny_dir, arch))
+    prompt = model.tokenize(TINY_PROMPT)
+    reference = Context(model, n_ctx=128)
+    ref_tokens = greedy(reference, prompt, 12)
+
+    ctx = Context(model, n_ctx=128)
+    ctx.enable_early_exit(4, "mask")
+    ctx.set_probe_layers([1, 2])
+    ctx.decode(prompt)
+    tokens = []
+    for _ in range(12):
+        token = int(np.argmax(ctx.logits()))
+        tokens.append(token)
+        ctx.set_candidates(top_k(ctx.logits(), 4))
+        ctx.set_probe_callback(stop_at(1))
+        assert ctx.decode([token]) == 1
+        ctx.set_probe_callback(stop_at(2))  # probes stay active after a resume
+        assert ctx.resume() == 2
+        ctx.set_probe_callback(None)
+        assert ctx.resume() is None
+        assert ctx.cell_depth(ctx.n_past - 1) == model.info.n_layer - 1
+    assert tokens == ref_tokens
+
+
+def test_resume_on_the_default_model_is_bit_identical(default_model):
+    prompt = default_model.tokenize(CHAT_PROMPT)
+    reference = Context(default_model, n_ctx=512)
+    reference.decode(prompt)
+    token = int(np.argmax(reference.logits()))
+    reference.decode([token])
+
+    ctx = Context(default_model, n_ctx=512)
+    ctx.enable_early_exit(4, "mask")
+    ctx.set_probe_layers([15])
+    ctx.set_probe_callback(stop_at(15))
+    ctx.decode(prompt)
+    ctx.set_candidates(top_k(ctx.logits(), 4))
+    assert ctx.decode([token]) == 15
+    assert ctx.cell_depth(ctx.n_past - 1) == 15
+    assert ctx.resume() is None
+    np.testing.assert_array_equal(ctx.logits(), reference.logits())
+
+
+def test_resume_without_a_stop_is_an_error(default_model):
+    ctx = Context(default_model, n_ctx=256)
+    ctx.enable_early_exit(4, "mask")
+    ctx.decode(default_model.tokenize("Hi"))
+    with pytest.raises(SpecEEError, match="nothing to resume"):
+        ctx.resume()
+
+
+# --- KV of skipped layers --------------------------------------------------------------------
+
+
+def forced_exit_run(ctx: Context, prompt: list[int], continuation: list[int], exit_layer: int) -> np.ndarray:
+    """Teacher-force `continuation`, exiting every other token at `exit_layer`; logits of every step."""
+    ctx.set_probe_layers([exit_layer])
+    ctx.decode(prompt)
+    steps = []
+    for i, token in enumerate(continuation):
+        ctx.set_candidates(top_k(ctx.logits(), 4))
+        ctx.set_probe_callback(stop_at(exit_layer) if i % 2 == 0 else None)
+        ctx.decode([token])
+        steps.append(ctx.logits().copy())
+    return np.array(steps)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_full_mode_continues_bit_identically(tiny_dir, arch):
+    model = Model(tiny_model_path(tiny_dir, arch))
+    prompt = model.tokenize(TINY_PROMPT)
+    reference = Context(model, n_ctx=128)
+    continuation = greedy(reference, prompt, 16)
+
+    never = Context(model, n_ctx=128)
+    never.enable_early_exit(4, "full")
+    never.set_probe_layers([1])
+    expected = forced_exit_run(never, prompt, continuation, exit_layer=1)
+
+    ctx = Context(model, n_ctx=128)
+    ctx.enable_early_exit(4, "full")
+    exits = forced_exit_run(ctx, prompt, continuation, exit_layer=1)
+    # the odd steps ran full depth after an exited token: its skipped layers were completed first
+    np.testing.assert_array_equal(exits[1::2], expected[1::2])
+    assert all(ctx.cell_depth(p) == model.info.n_layer - 1 for p in range(ctx.n_past - 1))
+
+
+def test_mask_mode_ignores_what_the_cells_held_before(default_model):
+    prompt = default_model.tokenize(CHAT_PROMPT)
+    continuation = greedy(Context(default_model, n_ctx=512), prompt, 24)
+
+    fresh = Context(default_model, n_ctx=512)  # skipped layers of exited cells hold zeros
+    fresh.enable_early_exit(4, "mask")
+    zeros = forced_exit_run(fresh, prompt, continuation, exit_layer=10)
+
+    reused = Context(default_model, n_ctx=512)  # ... or the K/V of an earlier conversation
+    reused.enable_early_exit(4, "mask")
+    greedy(reused, default_model.tokenize("Write a poem about the sea and the wind."), 48)
+    reused.truncate(0)
+    garbage = forced_exit_run(reused, prompt, continuation, exit_layer=10)
+
+    np.testing.assert_array_equal(garbage, zeros)
+    exited = len(prompt)  # position of the first teacher-forced token, which exited
+    assert reused.cell_depth(exited) == 10
+    assert reused.cell_depth(exited + 1) == default_model.info.n_layer - 1
+
+
+def test_depth_survives_seq_rm_and_clear(default_model):
+    ctx = Context(default_model, n_ctx=256)
+    ctx.enable_early_exit(4, "mask")
+    ctx.set_probe_layers([8])
+    ctx.decode(default_model.tokenize("The sky is"))
+    p = ctx.n_past
+    ctx.set_candidates(top_k(ctx.logits(), 4))
+    ctx.set_probe_callback(stop_at(8))
+    ctx.decode([260])
+    assert ctx.cell_depth(p) == 8
+
+    ctx.truncate(p)  # the cell is freed; a full-depth token takes position p again
+    assert ctx.cell_depth(p) == -1
+    ctx.set_probe_callback(None)
+    ctx.decode([260])
+    assert ctx.cell_depth(p) == default_model.info.n_layer - 1
+
+    ctx.clear()
+    assert ctx.cell_depth(p) == -1 and ctx.n_past == 0
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+def test_unsupported_architecture_is_refused(tiny_dir):
+    model = Model(tiny_model_path(tiny_dir, "gpt2"))
+    assert not model.info.supports_early_exit
+    ctx = Context(model, n_ctx=64)
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        ctx.enable_early_exit(4, "mask")
+
+
+def test_bad_arguments_are_refused(tiny_dir):
+    model = Model(tiny_model_path(tiny_dir, "llama"))
+    ctx = Context(model, n_ctx=64)
+    with pytest.raises(SpecEEError, match="not enabled"):
+        ctx.set_probe_layers([1])
+    for n_cand in (0, 9):
+        with pytest.raises(SpecEEError, match="1..8"):
+            ctx.enable_early_exit(n_cand, "mask")
+    with pytest.raises(SpecEEError, match="KV mode"):
+        ctx.enable_early_exit(4, "fill-with-zeros")
+    ctx.enable_early_exit(4, "mask")
+    last = model.info.n_layer - 1
+    for layer in (-1, last, last + 5):
+        with pytest.raises(SpecEEError, match="out of range"):
+            ctx.set_probe_layers([layer])
+    with pytest.raises(SpecEEError, match="expected 4 candidates"):
+        ctx.set_candidates([1, 2])
+    with pytest.raises(SpecEEError, match="candidate ids"):
+        ctx.set_candidates([1, 2, 3, model.info.n_vocab])
+    with pytest.raises(SpecEEError, match="out of range"):
+        ctx.decode([model.info.n_vocab + 3])
+
+
+def test_callback_exceptions_surface_after_decode(tiny_dir):
+    model = Model(tiny_model_path(tiny_dir, "llama"))
+    ctx = Context(model, n_ctx=64)
+    ctx.enable_early_exit(4, "mask")
+    ctx.set_probe_layers([1])
+    ctx.decode(model.tokenize(TINY_PROMPT))
+    ctx.set_candidates([5, 6, 7, 8])
+
+    def broken(il, z):
+        raise ValueError("predictor exploded")
+
+    ctx.set_probe_callback(broken)
+    with pytest.raises(ValueError, match="predictor exploded"):
+        ctx.decode([5])
+    ctx.set_probe_callback(None)
+    ctx.decode([6])  # still usable
+
+
+@pytest.mark.parametrize("kind", ["truncated", "garbage", "empty"])
+def test_corrupt_model_files_raise(tmp_path, tiny_dir, kind):
+    path = write_corrupt_model(tmp_path / f"{kind}.gguf", kind)
+    with pytest.raises(ModelLoadError):
+        Model(path)
+
+
+def test_missing_model_file_raises(tmp_path):
+    with pytest.raises(ModelLoadError, match="not found"):
+        Model(tmp_path / "nope.gguf")
+    (tmp_path / "dir.gguf").mkdir()
+    with pytest.raises(ModelLoadError, match="not a file"):
+        Model(tmp_path / "dir.gguf")
+
+
+def test_full_context_raises_and_keeps_the_context_usable(tiny_dir):
+    model = Model(tiny_model_path(tiny_dir, "llama"))
+    ctx = Context(model, n_ctx=64)
+    n_ctx = ctx.n_ctx  # llama.cpp may round the size up
+    ctx.decode([5] * (n_ctx - 2))
+    with pytest.raises(ContextFullError, match="context full"):
+        ctx.decode([5] * 4)
+    ctx.decode([5, 6])
+    assert ctx.n_past == n_ctx

@@ -1,0 +1,193 @@
+"""Benchmark the patched runtime on the default model: probe overhead and forced-stop speed-ups.
+
+In one process, interleaved prompt by prompt, greedy, same threads:
+  vanilla     stock llama_cpp.Llama on the same (patched) library, early exit never enabled
+  plain       our Context without early exit (the wrapper's own overhead)
+  probe_idle  early exit enabled, probes computed after every layer, none active (no callback)
+  probe_all   early exit enabled, every probe active: the callback runs after every layer, never stopping
+  stopNN      every generated token stops at NN% depth, for each KV mode
+Decode tokens/s counts generated tokens only (the prompt is excluded).
+
+    python tools/bench_runtime.py --json bench_runtime.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from llama_cpp import Llama
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from specee_edge.default_model import default_model_path
+from specee_edge.runtime import KV_MODES, Context, Model
+
+PROMPTS = [
+    "Explain how a bicycle works to a ten-year-old.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "What are the main causes of the French Revolution?",
+    "Summarise the water cycle in a few sentences.",
+]
+STOP_DEPTHS = (50, 75)
+
+
+def chat_prompt(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@dataclass
+class Timing:
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class Variant:
+    name: str
+    run: Callable[[list[int], int], float]  # (prompt tokens, n) -> decode seconds for n tokens
+    timing: Timing = field(default_factory=Timing)
+
+
+def vanilla_runner(llm: Llama) -> Callable[[list[int], int], float]:
+    def run(prompt: list[int], n: int) -> float:
+        llm.reset()
+        llm.eval(prompt)
+        start = time.perf_counter()
+        for _ in range(n):
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            llm.eval([token])
+        return time.perf_counter() - start
+
+    return run
+
+
+def context_runner(ctx: Context, stop_layer: int | None = None) -> Callable[[list[int], int], float]:
+    """Greedy decode; with `stop_layer`, every generated token stops there (a forced exit)."""
+
+    def run(prompt: list[int], n: int) -> float:
+        ctx.clear()
+        ctx.decode(prompt)
+        start = time.perf_counter()
+        for _ in range(n):
+            logits = ctx.logits()
+            token = int(np.argmax(logits))
+            if ctx.n_cand:
+                ctx.set_candidates(np.argpartition(logits, -ctx.n_cand)[-ctx.n_cand :].tolist())
+            ctx.decode([token])
+        return time.perf_counter() - start
+
+    if stop_layer is not None:
+        ctx.set_probe_layers([stop_layer])
+        ctx.set_probe_callback(lambda il, cand_logits: True)
+    return run
+
+
+def build_variants(model: Model, threads: int, n_ctx: int) -> list[Variant]:
+    n_layer = model.info.n_layer
+    llm = Llama(model_path=str(model.info.path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
+    variants = [
+        Variant("vanilla", vanilla_runner(llm)),
+        Variant("plain", context_runner(Context(model, n_ctx=n_ctx, n_threads=threads))),
+    ]
+    idle = Context(model, n_ctx=n_ctx, n_threads=threads)
+    idle.enable_early_exit(4, "mask")  # probes computed in the graph, none looked at
+    variants.append(Variant("probe_idle", context_runner(idle)))
+    probing = Context(model, n_ctx=n_ctx, n_threads=threads)
+    probing.enable_early_exit(4, "mask")
+    probing.set_probe_layers(range(n_layer - 1))
+    probing.set_probe_callback(lambda il, cand_logits: False)
+    variants.append(Variant("probe_all", context_runner(probing)))
+    for mode in KV_MODES:
+        for depth in STOP_DEPTHS:
+            ctx = Context(model, n_ctx=n_ctx, n_threads=threads)
+            ctx.enable_early_exit(4, mode)
+            variants.append(Variant(f"stop{depth}_{mode}", context_runner(ctx, stop_layer=stop_layer(n_layer, depth))))
+    return variants
+
+
+def stop_layer(n_layer: int, depth_percent: int) -> int:
+    """The 0-based layer after which `depth_percent` of the layers have run."""
+    return round(n_layer * depth_percent / 100) - 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("-n", "--n-predict", type=int, default=128, help="generated tokens per prompt")
+    parser.add_argument("-t", "--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1, help="passes over the prompt set")
+    args = parser.parse_args()
+
+    console = Console()
+    model = Model(default_model_path())
+    n_layer = model.info.n_layer
+    variants = build_variants(model, args.threads, n_ctx=512)
+    prompts = [model.tokenize(chat_prompt(p)) for p in PROMPTS]
+
+    # no auto-refresh thread: it steals the GIL from the timed loops (it slowed Llama.eval 10x)
+    with Progress(console=console, transient=True, auto_refresh=False) as progress:
+        task = progress.add_task("benchmarking", total=args.rounds * len(prompts) * len(variants))
+        for _ in range(args.rounds):
+            for prompt in prompts:
+                for v in variants:  # interleaved: every variant sees the same machine state
+                    v.timing.seconds += v.run(prompt, args.n_predict)
+                    v.timing.tokens += args.n_predict
+                    progress.advance(task)
+                    progress.refresh()
+
+    tok_s = {v.name: v.timing.tok_s for v in variants}
+    vanilla = tok_s["vanilla"]
+    results = {
+        "model": model.info.path.name,
+        "n_layer": n_layer,
+        "threads": args.threads,
+        "prompts": len(prompts) * args.rounds,
+        "tokens_per_prompt": args.n_predict,
+        "vanilla_tok_s": vanilla,
+        "plain_tok_s": tok_s["plain"],
+        "probe_idle_tok_s": tok_s["probe_idle"],
+        "probe_all_tok_s": tok_s["probe_all"],
+        "probe_overhead": vanilla / tok_s["probe_all"] - 1,
+        "modes": {
+            mode: {
+                f"stop{d}_{key}": value
+                for d in STOP_DEPTHS
+                for key, value in (
+                    ("layer", stop_layer(n_layer, d)),
+                    ("tok_s", tok_s[f"stop{d}_{mode}"]),
+                    ("speedup", tok_s[f"stop{d}_{mode}"] / vanilla),
+                    ("layer_bound", n_layer / (stop_layer(n_layer, d) + 1)),
+                )
+            }
+            for mode in KV_MODES
+        },
+    }
+
+    table = Table(title=f"runtime on {model.info.path.name} ({args.threads} threads, greedy, {args.n_predict} tokens x {len(prompts) * args.rounds} prompts)")
+    for column in ("variant", "tok/s", "vs vanilla", "layers run", "layer-only bound"):
+        table.add_column(column, justify="right" if column != "variant" else "left")
+    for v in variants:
+        depth = next((d for d in STOP_DEPTHS if v.name.startswith(f"stop{d}_")), None)
+        layers = stop_layer(n_layer, depth) + 1 if depth else n_layer
+        bound = f"{n_layer / layers:.2f}x" if depth else ""
+        table.add_row(v.name, f"{v.timing.tok_s:.1f}", f"{v.timing.tok_s / vanilla:.3f}x", f"{layers}/{n_layer}", bound)
+    console.print(table)
+    console.print(f"probe_overhead = {results['probe_overhead']:+.3f} (target <= 0.03)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+        console.print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

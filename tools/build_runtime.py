@@ -1,0 +1,426 @@
+"""Build and install the patched llama-cpp-python runtime into this environment.
+
+The stock llama-cpp-python sdist is downloaded once, every ``patches/*.patch``
+is applied (in sorted order) to its vendored llama.cpp, and the resulting
+wheel is built and installed with ``pip``. Wheels are cached under a key that
+covers the version, the patches, the CMake flags, the Python tag and the
+machine, so rebuilding only happens when one of those changes.
+
+Environment:
+    SPECEE_BACKEND     cpu (default), cuda or metal
+    SPECEE_CMAKE_ARGS  extra CMake flags, appended to the backend's flags
+    SPECEE_CACHE       cache directory (default: ~/.cache/specee-edge)
+
+Run it with the interpreter of the target environment, e.g.
+``.venv/bin/python tools/build_runtime.py [--force | --print-key]``.
+"""
+
+import argparse
+import base64
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections import deque
+from pathlib import Path
+from typing import NoReturn
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    Progress,
+    SpinnerColumn,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+DIST_NAME = "llama-cpp-python"
+MARKER_NAME = "specee_build_key.txt"
+PATCH_DIR = Path(__file__).resolve().parent.parent / "patches"
+BASE_CMAKE_FLAGS = (
+    "-DLLAVA_BUILD=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+)
+BACKEND_FLAGS = {
+    "cpu": (),
+    "cuda": ("-DGGML_CUDA=on",),
+    "metal": ("-DGGML_METAL=on",),
+}
+LOG_TAIL_LINES = 40
+NINJA_PROGRESS = re.compile(r"^\s*\[(\d+)/(\d+)\]")
+MAKE_PROGRESS = re.compile(r"^\s*\[\s*(\d+)%\]")
+OUTPUT_FILE = re.compile(r"\s-o\s+(\S+)")
+PATCH_FILE_LINE = re.compile(r"^(?:checking|patching) file (.+)$", re.IGNORECASE)
+PATCH_HEADER_LINE = re.compile(r"^\|\+\+\+ (\S+)")
+PATCH_HUNK_FAILED = re.compile(r"^(Hunk #\d+ FAILED at \d+)", re.IGNORECASE)
+PATCH_REVERSED = "Reversed (or previously applied) patch detected"
+PATCH_NO_FILE = "No file to patch"
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def die(message: str, code: int = 1) -> NoReturn:
+    """Print a one-line error and exit with ``code``."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    sys.exit(code)
+
+
+def cmake_flags() -> str:
+    """Return the CMake flags for the backend chosen via SPECEE_BACKEND."""
+    backend = os.environ.get("SPECEE_BACKEND", "cpu").strip().lower() or "cpu"
+    if backend not in BACKEND_FLAGS:
+        die(f"unknown SPECEE_BACKEND {backend!r} (expected one of: {', '.join(BACKEND_FLAGS)})", 2)
+    extra = os.environ.get("SPECEE_CMAKE_ARGS", "").strip()
+    return " ".join([*BASE_CMAKE_FLAGS, *BACKEND_FLAGS[backend], *([extra] if extra else [])])
+
+
+def patch_files() -> list[Path]:
+    """Return the patches to apply, in application order."""
+    return sorted(PATCH_DIR.glob("*.patch"))
+
+
+def compute_key(cmake_args: str, patches: list[Path]) -> str:
+    """Hash everything that determines the built wheel into a cache key."""
+    digest = hashlib.sha256()
+
+    def add(label: str, data: bytes) -> None:
+        digest.update(label.encode())
+        digest.update(len(data).to_bytes(8, "big"))
+        digest.update(data)
+
+    add("version", LLAMA_CPP_PYTHON_VERSION.encode())
+    for patch in patches:
+        add("patch-name", patch.name.encode())
+        add("patch-bytes", patch.read_bytes())
+    add("cmake", cmake_args.encode())
+    add("python", sys.implementation.cache_tag.encode())
+    add("machine", platform.machine().encode())
+    return digest.hexdigest()
+
+
+def cache_root() -> Path:
+    """Return the cache directory (SPECEE_CACHE or ~/.cache/specee-edge)."""
+    configured = os.environ.get("SPECEE_CACHE")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "specee-edge"
+
+
+def installed_package_dir() -> Path | None:
+    """Locate the installed ``llama_cpp`` package without importing it."""
+    importlib.invalidate_caches()
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def installed_key() -> str | None:
+    """Return the build key recorded next to the installed package, if any."""
+    package_dir = installed_package_dir()
+    if package_dir is None:
+        return None
+    try:
+        return (package_dir / MARKER_NAME).read_text().strip()
+    except OSError:
+        return None
+
+
+def add_to_record(path: Path) -> None:
+    """List ``path`` in the distribution's RECORD so pip removes it on reinstall.
+
+    Without this, installing any other llama-cpp-python over ours would leave
+    a stale marker behind that claims the patched build is installed.
+    """
+    dist = importlib.metadata.distribution(DIST_NAME)
+    record = next(f for f in dist.files or () if f.name == "RECORD")
+    record_path = Path(record.locate())
+    relative = path.resolve().relative_to(Path(dist.locate_file("")).resolve()).as_posix()
+    data = path.read_bytes()
+    checksum = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    text = record_path.read_text()
+    separator = "" if text.endswith("\n") else "\n"
+    record_path.write_text(f"{text}{separator}{relative},sha256={checksum},{len(data)}\n")
+
+
+def write_marker(key: str) -> None:
+    """Record ``key`` as the build key of the installed ``llama_cpp``."""
+    package_dir = installed_package_dir()
+    if package_dir is None:
+        die("llama_cpp is not importable after installing the wheel")
+    marker = package_dir / MARKER_NAME
+    marker.write_text(key + "\n")
+    add_to_record(marker)
+
+
+def run_quiet(cmd: list[str], what: str) -> None:
+    """Run ``cmd`` behind a spinner; on failure show its output and exit 1."""
+    with console.status(what):
+        result = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
+    if result.returncode != 0:
+        err_console.print(result.stdout + result.stderr, markup=False, highlight=False)
+        die(f"{what} failed (exit {result.returncode})")
+
+
+def find_sdist(sdist_dir: Path) -> Path | None:
+    """Return the cached sdist tarball, if present."""
+    matches = sorted(sdist_dir.glob(f"llama[-_]cpp[-_]python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"))
+    return matches[0] if matches else None
+
+
+def fetch_sdist(sdist_dir: Path) -> Path:
+    """Return the sdist, downloading it into the cache first if needed."""
+    cached = find_sdist(sdist_dir)
+    if cached is not None:
+        return cached
+    sdist_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=sdist_dir, prefix=".download-") as tmp:
+        run_quiet(
+            [
+                sys.executable, "-m", "pip", "download",
+                f"{DIST_NAME}=={LLAMA_CPP_PYTHON_VERSION}",
+                "--no-deps", "--no-binary", DIST_NAME, "--no-build-isolation",
+                "-d", tmp,
+            ],
+            f"downloading {DIST_NAME} {LLAMA_CPP_PYTHON_VERSION} sdist",
+        )
+        downloaded = find_sdist(Path(tmp))
+        if downloaded is None:
+            die(f"pip download did not produce a {DIST_NAME} {LLAMA_CPP_PYTHON_VERSION} sdist")
+        target = sdist_dir / downloaded.name
+        os.replace(downloaded, target)
+    return target
+
+
+def extract_sdist(sdist: Path, dest: Path) -> Path:
+    """Extract ``sdist`` into a fresh ``dest`` and return the source tree."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+    with tarfile.open(sdist) as tar:
+        tar.extractall(dest, **safe)
+    (source,) = [p for p in dest.iterdir() if p.is_dir()]
+    return source
+
+
+def describe_patch_failure(output: str) -> list[str]:
+    """Turn GNU/BSD patch output into 'file: problem' lines."""
+    problems: list[str] = []
+    current = "?"
+    for raw in output.splitlines():
+        line = raw.strip()
+        if match := PATCH_FILE_LINE.match(line):
+            current = match.group(1).strip("'\"")
+        elif match := PATCH_HEADER_LINE.match(line):
+            current = match.group(1).split("/", 1)[-1]
+        elif match := PATCH_HUNK_FAILED.match(line):
+            problems.append(f"{current}: {match.group(1)}")
+        elif line.startswith(PATCH_REVERSED):
+            problems.append(f"{current}: already applied (or reversed)")
+        elif line.startswith(PATCH_NO_FILE):
+            problems.append(f"{current}: file to patch not found")
+    return problems
+
+
+def apply_patches(llama_dir: Path, patches: list[Path]) -> None:
+    """Apply ``patches`` in order inside ``llama_dir``; exit 1 naming any that fails."""
+    if patches and shutil.which("patch") is None:
+        die("the 'patch' tool is required to apply patches/*.patch")
+    for patch in patches:
+        for dry_run in (True, False):
+            cmd = ["patch", "-p1", "--batch", "--forward", "-i", str(patch)]
+            result = subprocess.run(
+                cmd + (["--dry-run"] if dry_run else []),
+                cwd=llama_dir, capture_output=True, text=True, errors="replace",
+            )
+            if result.returncode != 0:
+                output = result.stdout + result.stderr
+                details = describe_patch_failure(output) or output.strip().splitlines()
+                err_console.print(
+                    f"[bold red]error:[/] {patch.name} does not apply to llama.cpp "
+                    f"(llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}):",
+                    highlight=False,
+                )
+                for detail in details:
+                    err_console.print(f"  {detail}", markup=False, highlight=False)
+                err_console.print(f"  patch file: {patch}", markup=False, highlight=False)
+                sys.exit(1)
+        console.print(f"applied {patch.name}", highlight=False)
+
+
+def parse_progress(line: str) -> tuple[int, int] | None:
+    """Return (done, total) from a ninja ``[n/N]`` or make ``[ n%]`` line."""
+    if match := NINJA_PROGRESS.match(line):
+        return int(match.group(1)), int(match.group(2))
+    if match := MAKE_PROGRESS.match(line):
+        return int(match.group(1)), 100
+    return None
+
+
+def status_text(line: str, width: int) -> str:
+    """Summarise a build line for the progress bar: the compiled file if any, clipped."""
+    if match := OUTPUT_FILE.search(line):
+        line = Path(match.group(1)).name
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def stream_build(cmd: list[str], env: dict[str, str], log_path: Path) -> int:
+    """Run the build, logging everything and driving a progress bar; return its exit code."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    line_width = max(20, console.width - 70)
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]building llama.cpp"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[line]}", markup=False),
+        console=console,
+    )
+    with log_path.open("w", buffering=1) as log, progress:
+        log.write(f"$ CMAKE_ARGS='{env['CMAKE_ARGS']}' {' '.join(cmd)}\n")
+        task = progress.add_task("build", total=None, line="starting")
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, errors="replace",
+        )
+        assert proc.stdout is not None
+        seen_progress = False
+        for line in proc.stdout:
+            log.write(line)
+            text = line.strip()
+            if not text:
+                continue
+            step = parse_progress(text)
+            if step is not None:
+                seen_progress = True
+                progress.update(task, completed=step[0], total=step[1])
+            if step is not None or not seen_progress:
+                progress.update(task, line=status_text(text, line_width))
+        return proc.wait()
+
+
+def print_log_tail(log_path: Path) -> None:
+    """Show the last lines of the build log."""
+    with log_path.open(errors="replace") as log:
+        tail = deque(log, maxlen=LOG_TAIL_LINES)
+    err_console.print("".join(tail).rstrip(), markup=False, highlight=False)
+
+
+def build_wheel(source: Path, out_dir: Path, build_dir: Path, cmake_args: str, log_path: Path) -> Path:
+    """Build the wheel from ``source`` into ``out_dir``; exit 1 on failure."""
+    env = {
+        **os.environ,
+        "CMAKE_ARGS": cmake_args,
+        "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1),
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = [
+        sys.executable, "-m", "pip", "wheel", str(source),
+        "--no-deps", "--no-build-isolation", "-v",
+        "-w", str(out_dir), "-C", f"build-dir={build_dir}",
+    ]
+    if stream_build(cmd, env, log_path) != 0:
+        print_log_tail(log_path)
+        die(f"building llama-cpp-python failed; full log: {log_path}")
+    wheels = sorted(out_dir.glob("*.whl"))
+    if not wheels:
+        die(f"the build produced no wheel; full log: {log_path}")
+    return wheels[0]
+
+
+def store_wheel(wheel: Path, wheel_dir: Path) -> Path:
+    """Move ``wheel`` into ``wheel_dir`` atomically and return its new path."""
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    target = wheel_dir / wheel.name
+    fd, partial = tempfile.mkstemp(dir=wheel_dir, prefix=f".{wheel.name}.", suffix=".partial")
+    os.close(fd)
+    shutil.copyfile(wheel, partial)
+    os.replace(partial, target)
+    return target
+
+
+def cached_wheel(wheel_dir: Path) -> Path | None:
+    """Return the cached wheel in ``wheel_dir``, if any."""
+    wheels = sorted(wheel_dir.glob("*.whl"))
+    return wheels[0] if wheels else None
+
+
+def build(cache: Path, key: str, cmake_args: str, patches: list[Path], force: bool) -> Path:
+    """Download, patch and build the runtime; return the cached wheel."""
+    short = key[:16]
+    # A fixed source path per key lets an interrupted build resume in build_dir:
+    # scikit-build-core discards a build dir whose recorded source dir differs.
+    source_root = cache / "src" / short
+    build_dir = cache / "build" / short
+    if force:
+        shutil.rmtree(build_dir, ignore_errors=True)
+    sdist = fetch_sdist(cache / "sdist")
+    source = extract_sdist(sdist, source_root)
+    try:
+        apply_patches(source / "vendor" / "llama.cpp", patches)
+    except BaseException:
+        shutil.rmtree(source_root, ignore_errors=True)
+        raise
+    log_path = cache / "logs" / f"build-{short}.log"
+    with tempfile.TemporaryDirectory(prefix="specee-wheel-") as tmp:
+        built = build_wheel(source, Path(tmp), build_dir, cmake_args, log_path)
+        wheel = store_wheel(built, cache / "wheels" / short)
+    shutil.rmtree(source_root, ignore_errors=True)
+    shutil.rmtree(build_dir, ignore_errors=True)
+    console.print(f"built {wheel.name} ({short}); log: {log_path}", highlight=False)
+    return wheel
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse the command line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--print-key", action="store_true", help="print the build key and exit")
+    mode.add_argument("--force", action="store_true", help="rebuild, ignoring cached wheels")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Make sure the patched runtime for the current configuration is installed."""
+    args = parse_args(argv)
+    cmake_args = cmake_flags()
+    patches = patch_files()
+    key = compute_key(cmake_args, patches)
+    if args.print_key:
+        print(key)
+        return 0
+    short = key[:16]
+    if not args.force and installed_key() == key:
+        print(f"patched runtime up to date ({short})")
+        return 0
+    cache = cache_root()
+    wheel = None if args.force else cached_wheel(cache / "wheels" / short)
+    if wheel is None:
+        wheel = build(cache, key, cmake_args, patches, args.force)
+    run_quiet(
+        [sys.executable, "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", str(wheel)],
+        f"installing {wheel.name}",
+    )
+    write_marker(key)
+    console.print(f"installed patched runtime ({short}, {len(patches)} patches)", highlight=False)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)
