@@ -14,9 +14,10 @@ setup: $(EDIT_STAMP)
 $(PY):
 	python3 -m venv $(VENV)
 
-$(DEPS_STAMP): pyproject.toml | $(PY)
+# The dependency lists live here, so edits to this file reinstall them too.
+$(DEPS_STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q scikit-build-core cmake ninja
-	$(PIP) install -q numpy gguf scikit-learn typer rich pytest
+	$(PIP) install -q numpy gguf scikit-learn typer rich pytest diskcache jinja2
 	@touch $@
 
 # Always runs; returns within a second when the installed build is current.

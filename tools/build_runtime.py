@@ -239,7 +239,7 @@ def apply_patches(llama_dir: Path, patches: list[Path]) -> None:
         die("the 'patch' tool is required to apply patches/*.patch")
     for patch in patches:
         for dry_run in (True, False):
-            cmd = ["patch", "-p1", "--batch", "--forward", "-i", str(patch)]
+            cmd = ["patch", "-p1", "--batch", "--forward", "--fuzz=0", "-i", str(patch)]
             result = subprocess.run(
                 cmd + (["--dry-run"] if dry_run else []),
                 cwd=llama_dir, capture_output=True, text=True, errors="replace",
