@@ -13,7 +13,7 @@ from llama_cpp import llama_cpp as _llama
 from specee_edge.runtime import Context, Model
 from tests.conftest import CHAT_PROMPT
 from tests.logit_lens import LogitLens
-from tests.test_runtime import forced_exit_run, greedy, stop_at, top_k
+from tests.test_runtime import early_exit_context, forced_exit_run, greedy, stop_at, top_k
 
 pytestmark = pytest.mark.gpu
 
@@ -35,8 +35,7 @@ def test_stop_and_resume(gpu_model, layer):
     token = int(np.argmax(reference.logits()))
     reference.decode([token])
 
-    ctx = Context(gpu_model, n_ctx=512)
-    ctx.enable_early_exit(4, "mask")
+    ctx = early_exit_context(gpu_model, "mask", n_ctx=512)
     ctx.set_capture_layers([layer])
     ctx.set_probe_layers([layer])
     ctx.set_probe_callback(stop_at(layer))

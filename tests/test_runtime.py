@@ -29,6 +29,12 @@ def greedy(ctx: Context, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def early_exit_context(model: Model, kv_mode: str = "mask", n_ctx: int = 128) -> Context:
+    ctx = Context(model, n_ctx=n_ctx)
+    ctx.enable_early_exit(4, kv_mode)
+    return ctx
+
+
 def stop_at(layer: int):
     """A probe callback that stops every token at `layer`."""
     return lambda il, cand_logits: il == layer
@@ -54,8 +60,7 @@ def test_hooks_off_matches_stock_llama(default_model):
     plain = Context(default_model, n_ctx=512)
     assert greedy(plain, prompt, 64) == stock
 
-    probing = Context(default_model, n_ctx=512)
-    probing.enable_early_exit(4, "mask")
+    probing = early_exit_context(default_model, "mask", n_ctx=512)
     probing.set_probe_layers(range(default_model.info.n_layer - 1))
     calls = []
     probing.set_probe_callback(lambda il, z: calls.append(il) or False)
@@ -65,8 +70,7 @@ def test_hooks_off_matches_stock_llama(default_model):
 
 
 def test_prompt_processing_never_stops(default_model):
-    ctx = Context(default_model, n_ctx=512)
-    ctx.enable_early_exit(4, "mask")
+    ctx = early_exit_context(default_model, "mask", n_ctx=512)
     ctx.set_probe_layers([5])
     calls = []
     ctx.set_probe_callback(lambda il, z: calls.append(il) or True)
@@ -85,8 +89,7 @@ def test_stop_gives_logit_lens_of_the_exit_layer(tiny_dir, arch, tied):
     lens = LogitLens.from_gguf(path)
     layer = model.info.n_layer // 2
 
-    ctx = Context(model, n_ctx=128)
-    ctx.enable_early_exit(4, "mask")
+    ctx = early_exit_context(model, "mask", n_ctx=128)
     ctx.set_capture_layers([layer])
     ctx.set_probe_layers([layer])
     probes = []
@@ -107,8 +110,7 @@ def test_stop_gives_logit_lens_of_the_exit_layer(tiny_dir, arch, tied):
 def test_stop_on_the_default_model_matches_numpy(default_model):
     lens = LogitLens.from_gguf(default_model.info.path)
     layer = 20
-    ctx = Context(default_model, n_ctx=512)
-    ctx.enable_early_exit(4, "mask")
+    ctx = early_exit_context(default_model, "mask", n_ctx=512)
     ctx.set_capture_layers([layer])
     ctx.set_probe_layers([layer])
     seen = {}
@@ -144,8 +146,7 @@ def test_resume_equals_a_decode_that_never_stopped(tiny_dir, arch):
     reference = Context(model, n_ctx=128)
     ref_tokens = greedy(reference, prompt, 12)
 
-    ctx = Context(model, n_ctx=128)
-    ctx.enable_early_exit(4, "mask")
+    ctx = early_exit_context(model, "mask", n_ctx=128)
     ctx.set_probe_layers([1, 2])
     ctx.decode(prompt)
     tokens = []
@@ -170,8 +171,7 @@ def test_resume_on_the_default_model_is_bit_identical(default_model):
     token = int(np.argmax(reference.logits()))
     reference.decode([token])
 
-    ctx = Context(default_model, n_ctx=512)
-    ctx.enable_early_exit(4, "mask")
+    ctx = early_exit_context(default_model, "mask", n_ctx=512)
     ctx.set_probe_layers([15])
     ctx.set_probe_callback(stop_at(15))
     ctx.decode(prompt)
@@ -183,8 +183,7 @@ def test_resume_on_the_default_model_is_bit_identical(default_model):
 
 
 def test_resume_without_a_stop_is_an_error(default_model):
-    ctx = Context(default_model, n_ctx=256)
-    ctx.enable_early_exit(4, "mask")
+    ctx = early_exit_context(default_model, "mask", n_ctx=256)
     ctx.decode(default_model.tokenize("Hi"))
     with pytest.raises(SpecEEError, match="nothing to resume"):
         ctx.resume()
@@ -213,13 +212,11 @@ def test_full_mode_continues_bit_identically(tiny_dir, arch):
     reference = Context(model, n_ctx=128)
     continuation = greedy(reference, prompt, 16)
 
-    never = Context(model, n_ctx=128)
-    never.enable_early_exit(4, "full")
+    never = early_exit_context(model, "full", n_ctx=128)
     never.set_probe_layers([1])
     expected = forced_exit_run(never, prompt, continuation, exit_layer=1)
 
-    ctx = Context(model, n_ctx=128)
-    ctx.enable_early_exit(4, "full")
+    ctx = early_exit_context(model, "full", n_ctx=128)
     exits = forced_exit_run(ctx, prompt, continuation, exit_layer=1)
     # the odd steps ran full depth after an exited token: its skipped layers were completed first
     np.testing.assert_array_equal(exits[1::2], expected[1::2])
@@ -247,8 +244,7 @@ def test_mask_mode_ignores_what_the_cells_held_before(default_model):
 
 
 def test_depth_survives_seq_rm_and_clear(default_model):
-    ctx = Context(default_model, n_ctx=256)
-    ctx.enable_early_exit(4, "mask")
+    ctx = early_exit_context(default_model, "mask", n_ctx=256)
     ctx.set_probe_layers([8])
     ctx.decode(default_model.tokenize("The sky is"))
     p = ctx.n_past
@@ -303,8 +299,7 @@ def test_bad_arguments_are_refused(tiny_dir):
 
 def test_callback_exceptions_surface_after_decode(tiny_dir):
     model = Model(tiny_model_path(tiny_dir, "llama"))
-    ctx = Context(model, n_ctx=64)
-    ctx.enable_early_exit(4, "mask")
+    ctx = early_exit_context(model, "mask", n_ctx=64)
     ctx.set_probe_layers([1])
     ctx.decode(model.tokenize(TINY_PROMPT))
     ctx.set_candidates([5, 6, 7, 8])
