@@ -50,7 +50,7 @@ def test_stop_and_resume(gpu_model, layer):
     np.testing.assert_allclose(ctx.logits(), reference.logits(), atol=1e-3)
 
 
-@pytest.mark.parametrize("mode", ["mask", "full"])
+@pytest.mark.parametrize("mode", ["mask", "fill", "full"])
 def test_kv_modes(gpu_model, mode):
     prompt = gpu_model.tokenize(CHAT_PROMPT)
     continuation = greedy(Context(gpu_model, n_ctx=512), prompt, 16)

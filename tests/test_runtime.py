@@ -223,24 +223,46 @@ def test_full_mode_continues_bit_identically(tiny_dir, arch):
     assert all(ctx.cell_depth(p) == model.info.n_layer - 1 for p in range(ctx.n_past - 1))
 
 
-def test_mask_mode_ignores_what_the_cells_held_before(default_model):
+@pytest.mark.parametrize("mode", ["mask", "fill"])
+def test_kv_modes_ignore_what_the_cells_held_before(default_model, mode):
     prompt = default_model.tokenize(CHAT_PROMPT)
     continuation = greedy(Context(default_model, n_ctx=512), prompt, 24)
 
-    fresh = Context(default_model, n_ctx=512)  # skipped layers of exited cells hold zeros
-    fresh.enable_early_exit(4, "mask")
+    fresh = early_exit_context(default_model, mode, n_ctx=512)  # skipped layers of exited cells hold zeros
     zeros = forced_exit_run(fresh, prompt, continuation, exit_layer=10)
 
-    reused = Context(default_model, n_ctx=512)  # ... or the K/V of an earlier conversation
-    reused.enable_early_exit(4, "mask")
+    reused = early_exit_context(default_model, mode, n_ctx=512)  # ... or the K/V of an earlier conversation
     greedy(reused, default_model.tokenize("Write a poem about the sea and the wind."), 48)
     reused.truncate(0)
     garbage = forced_exit_run(reused, prompt, continuation, exit_layer=10)
 
     np.testing.assert_array_equal(garbage, zeros)
     exited = len(prompt)  # position of the first teacher-forced token, which exited
-    assert reused.cell_depth(exited) == 10
+    # mask: deeper layers skip the cell; fill: its K/V were rebuilt, so it is complete
+    assert reused.cell_depth(exited) == (10 if mode == "mask" else default_model.info.n_layer - 1)
     assert reused.cell_depth(exited + 1) == default_model.info.n_layer - 1
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_fill_rebuilds_the_exact_kv_when_only_the_last_layer_is_skipped(tiny_dir, arch):
+    """Exiting after layer n-2, h_exit is the last layer's true input: fill must equal full depth."""
+    model = Model(tiny_model_path(tiny_dir, arch))
+    prompt = model.tokenize(TINY_PROMPT)
+    continuation = greedy(Context(model, n_ctx=128), prompt, 16)
+    last_but_one = model.info.n_layer - 2
+
+    full = forced_exit_run(early_exit_context(model, "full"), prompt, continuation, exit_layer=last_but_one)
+    filled = forced_exit_run(early_exit_context(model, "fill"), prompt, continuation, exit_layer=last_but_one)
+    masked = forced_exit_run(early_exit_context(model, "mask"), prompt, continuation, exit_layer=last_but_one)
+    # the odd steps ran full depth over a cache in which every other token had exited
+    np.testing.assert_allclose(filled[1::2], full[1::2], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(masked[1::2], full[1::2], atol=1e-3)  # without the filled K/V it differs
+
+
+def test_fill_is_refused_where_it_cannot_rebuild_kv(tiny_dir):
+    model = Model(tiny_model_path(tiny_dir, "gpt2"))
+    with pytest.raises(UnsupportedModelError):
+        early_exit_context(model, "fill")
 
 
 def test_depth_survives_seq_rm_and_clear(default_model):

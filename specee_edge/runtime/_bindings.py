@@ -14,7 +14,7 @@ from specee_edge.errors import SpecEEError
 
 MAX_CANDIDATES = 8
 
-KV_MODES = {"mask": 0, "full": 1}
+KV_MODES = {"mask": 0, "full": 1, "fill": 2}
 
 _lib = _llama._lib
 

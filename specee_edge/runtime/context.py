@@ -16,7 +16,8 @@ from specee_edge.errors import ContextFullError, SpecEEError, UnsupportedModelEr
 from specee_edge.runtime._bindings import C, KV_MODES, MAX_CANDIDATES, probe_callback_t
 from specee_edge.runtime.model import Model
 
-# called after an active probe with (layer, candidate logits); returns True to stop the token there
+# called after an active probe with (layer, candidate logits); returns True to stop the token there.
+# The logits are a view of a buffer the next probe overwrites: copy them to keep them.
 ProbeCallback = Callable[[int, np.ndarray], bool]
 
 SEQ = 0
@@ -58,6 +59,7 @@ class Context:
         self._probe_callback: ProbeCallback | None = None
         self._c_callback = probe_callback_t(self._on_probe)  # kept alive as long as the context
         self._callback_error: BaseException | None = None
+        self._cand_view: np.ndarray | None = None
 
     # --- early exit set-up -------------------------------------------------------------------
 
@@ -73,11 +75,16 @@ class Context:
                 f"early exit does not support the {self.model.info.arch!r} architecture "
                 "(supported: llama, qwen2, qwen3)"
             )
+        if rc == -4:
+            raise UnsupportedModelError(
+                f"KV mode 'fill' cannot rebuild this model's K/V ({self.model.info.arch}: fused or scaled"
+                " projections, or a rotated KV cache); use 'mask' or 'full'"
+            )
         if rc != 0:
             raise SpecEEError(f"llama_specee_enable failed ({rc})")
         self.n_cand = n_cand
         self.kv_mode = kv_mode
-        C["llama_specee_set_callback"](self._ctx, self._c_callback, None)
+        self._cand_view = None  # the C buffer of candidate logits moved with the new state
 
     def set_probe_layers(self, layers: Sequence[int]) -> None:
         """Layers whose probe calls the callback; each in [0, n_layer - 1)."""
@@ -97,7 +104,11 @@ class Context:
             raise SpecEEError(f"candidate ids must be in [0, {self.n_vocab}): {list(token_ids)}")
 
     def set_probe_callback(self, callback: ProbeCallback | None) -> None:
+        """None turns the probes off in C: no graph split, no call into Python."""
+        self._require_early_exit()
         self._probe_callback = callback
+        c_callback = self._c_callback if callback else ctypes.cast(None, probe_callback_t)
+        C["llama_specee_set_callback"](self._ctx, c_callback, None)
 
     def probe_logits(self) -> np.ndarray:
         """Inside the probe callback: the probed layer's full-vocabulary exit logits (a copy)."""
@@ -107,10 +118,12 @@ class Context:
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
     def _on_probe(self, il: int, cand_logits, n_cand: int, _user_data) -> bool:
-        if self._probe_callback is None or self._callback_error is not None:
+        if self._callback_error is not None:
             return False
+        if self._cand_view is None:  # the buffer is fixed for the life of the early-exit state
+            self._cand_view = np.ctypeslib.as_array(cand_logits, shape=(n_cand,))
         try:
-            return bool(self._probe_callback(il, np.ctypeslib.as_array(cand_logits, shape=(n_cand,))))
+            return bool(self._probe_callback(il, self._cand_view))
         except BaseException as e:  # noqa: BLE001 - re-raised after llama_decode returns
             self._callback_error = e
             return False
