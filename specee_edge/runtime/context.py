@@ -56,6 +56,7 @@ class Context:
         self.n_batch = _llama.llama_n_batch(self._ctx)  # llama.cpp clamps it to the requested n_ctx
         self.n_vocab = model.info.n_vocab
         self.n_cand = 0
+        self.kv_mode: str | None = None
         self._probe_callback: ProbeCallback | None = None
         self._c_callback = probe_callback_t(self._on_probe)  # kept alive as long as the context
         self._callback_error: BaseException | None = None
@@ -84,7 +85,9 @@ class Context:
             raise SpecEEError(f"llama_specee_enable failed ({rc})")
         self.n_cand = n_cand
         self.kv_mode = kv_mode
-        self._cand_view = None  # the C buffer of candidate logits moved with the new state
+        # a new early-exit state in C: no callback yet, and its candidate-logits buffer moved
+        self._probe_callback = None
+        self._cand_view = None
 
     def set_probe_layers(self, layers: Sequence[int]) -> None:
         """Layers whose probe calls the callback; each in [0, n_layer - 1)."""
