@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+from typing import Annotated
+
 import typer
 from rich.console import Console
 
 from specee_edge import __version__
+from specee_edge.errors import SpecEEError
 
 app = typer.Typer(help="Speculative early exit (SpecEE) for llama.cpp models.", no_args_is_help=True)
 console = Console()
+err_console = Console(stderr=True, soft_wrap=True)  # one line, however narrow the terminal
+
+
+def fail(error: Exception) -> typer.Exit:
+    """Print a one-line error; the caller raises the returned Exit."""
+    err_console.print(f"[red]error:[/red] {error}", highlight=False)
+    return typer.Exit(1)
 
 
 @app.command()
 def doctor() -> None:
     """Check the installation: the patched runtime and the default model."""
     from specee_edge.default_model import default_model_path
-    from specee_edge.errors import SpecEEError
 
     console.print(f"specee-edge {__version__}")
     try:
@@ -24,8 +35,7 @@ def doctor() -> None:
         path = default_model_path()
         info = Model(path).info
     except SpecEEError as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(1) from None
+        raise fail(e) from None
     console.print(f"patched runtime: ok; default model: {path.name} ({info.arch}, {info.n_layer} layers)")
 
 
@@ -33,3 +43,39 @@ def doctor() -> None:
 def version() -> None:
     """Print the version."""
     console.print(__version__)
+
+
+@app.command()
+def info(path: Annotated[Path, typer.Argument(help="a model GGUF or a specee pack")]) -> None:
+    """Summarize a model GGUF or a pack: architecture, layers, sizes, schedule, predictors, provenance."""
+    from specee_edge.pack.summary import summarize
+
+    try:
+        console.print(summarize(path))
+    except SpecEEError as e:
+        raise fail(e) from None
+
+
+@app.command()
+def convert(
+    sources: Annotated[list[str], typer.Argument(help="predictor / draft-head files (.joblib[:LAYER], .npz, .safetensors)")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="the pack to write")],
+    model: Annotated[Path, typer.Option("-m", "--model", help="the target model GGUF the pack is for")],
+    quant: Annotated[str, typer.Option("--quant", help="draft-head weights: q8_0, q4_0 or f16")] = "q8_0",
+    predictor_type: Annotated[str, typer.Option("--predictor-type", help="predictor weights: f32 or f16")] = "f32",
+    threshold: Annotated[float, typer.Option("--threshold", help="exit threshold on the predictor's output")] = 0.5,
+) -> None:
+    """Convert predictors (scikit-learn, numpy, the SpecEE paper's safetensors) and an EAGLE-1 draft head into a pack."""
+    from specee_edge.pack import target_identity, write_pack
+    from specee_edge.pack.convert import convert as convert_sources
+
+    if quant not in ("q8_0", "q4_0", "f16"):
+        raise fail(SpecEEError(f"--quant must be q8_0, q4_0 or f16, not {quant!r}"))
+    try:
+        target = target_identity(model)
+        pack = convert_sources(sources, target, threshold=threshold, command=" ".join(["specee-edge", *sys.argv[1:]]))
+        write_pack(output, pack, predictor_type=predictor_type, draft_quant=quant)
+    except SpecEEError as e:
+        raise fail(e) from None
+    draft = f" and a {pack.draft.kind} draft head" if pack.draft else ""
+    console.print(f"wrote {output}: {len(pack.predictors)} predictors (k = {pack.k}){draft} for {model.name}")

@@ -1,0 +1,161 @@
+"""Convert predictors and draft heads from other formats into a pack bound to its target model.
+
+Sources (the kind is told by the file, not by a flag):
+  *.joblib / *.pkl   scikit-learn MLPClassifier: a dict {layer: classifier}, or one classifier given
+                     as FILE:LAYER. joblib unpickles: convert only files you trust.
+  *.npz              numpy arrays `layer<L>.weight<j>` [out, in] and `layer<L>.bias<j>` [out]
+  *.safetensors      the SpecEE paper's predictors (`model.layers.<L>.pred.{up,down}.{weight,bias}`),
+                     or an EAGLE-1 draft head (`fc.weight`, `fc.bias`, `layers.0.*`)
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from datetime import datetime, timezone
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+
+from specee_edge.errors import SpecEEError
+from specee_edge.pack.format import DraftHead, Pack, Schedule, TargetIdentity
+from specee_edge.pack.safetensors import read_safetensors
+from specee_edge.predictor import MLPPredictor
+
+PAPER_KEY = re.compile(r"^model\.layers\.(\d+)\.pred\.(up|down)\.(weight|bias)$")
+NPZ_KEY = re.compile(r"^layer(\d+)\.(weight|bias)(\d+)$")
+
+
+def predictors_from_sklearn(source: str) -> dict[int, MLPPredictor]:
+    import joblib
+    from sklearn.neural_network import MLPClassifier
+
+    path, _, layer = source.partition(":")
+    try:
+        obj = joblib.load(path)
+    except Exception as e:
+        raise SpecEEError(f"cannot load {path} with joblib: {type(e).__name__}: {e}") from None
+    if isinstance(obj, MLPClassifier):
+        if not layer.isdigit():
+            raise SpecEEError(f"{path} holds one classifier: give its layer as {path}:LAYER")
+        obj = {int(layer): obj}
+    if not isinstance(obj, dict) or not all(isinstance(c, MLPClassifier) for c in obj.values()):
+        raise SpecEEError(f"{path}: expected an MLPClassifier or a dict {{layer: MLPClassifier}}")
+    predictors = {}
+    for il, clf in obj.items():
+        if getattr(clf, "activation", None) != "relu" or getattr(clf, "out_activation_", None) != "logistic":
+            raise SpecEEError(f"{path}: layer {il}: need a fitted binary MLPClassifier with ReLU hidden layers")
+        predictors[int(il)] = MLPPredictor(
+            [np.asarray(w, dtype=np.float32).T for w in clf.coefs_],
+            [np.asarray(b, dtype=np.float32) for b in clf.intercepts_],
+        )
+    return predictors
+
+
+def predictors_from_npz(path: Path) -> dict[int, MLPPredictor]:
+    parts: dict[int, dict[tuple[str, int], np.ndarray]] = {}
+    with np.load(path, allow_pickle=False) as data:
+        for key in data.files:
+            m = NPZ_KEY.match(key)
+            if not m:
+                raise SpecEEError(f"{path}: unexpected array {key!r} (expected layer<L>.weight<j> / layer<L>.bias<j>)")
+            parts.setdefault(int(m[1]), {})[(m[2], int(m[3]))] = np.asarray(data[key], dtype=np.float32)
+    return {il: _chain(path, il, p) for il, p in parts.items()}
+
+
+def _chain(path: Path, il: int, parts: dict[tuple[str, int], np.ndarray]) -> MLPPredictor:
+    n = len(parts) // 2
+    try:
+        return MLPPredictor([parts[("weight", j)] for j in range(n)], [parts[("bias", j)] for j in range(n)])
+    except KeyError as e:
+        raise SpecEEError(f"{path}: layer {il} lacks {e.args[0][0]}{e.args[0][1]}") from None
+
+
+def predictors_from_paper(tensors: dict[str, np.ndarray], path: Path) -> dict[int, MLPPredictor]:
+    layers: dict[int, dict[str, np.ndarray]] = {}
+    for key, array in tensors.items():
+        m = PAPER_KEY.match(key)
+        if m:
+            layers.setdefault(int(m[1]), {})[f"{m[2]}.{m[3]}"] = array.astype(np.float32)
+    predictors = {}
+    for il, p in layers.items():
+        if len(p) != 4:
+            raise SpecEEError(f"{path}: layer {il} lacks some of pred.up/down weight/bias")
+        predictors[il] = MLPPredictor([p["up.weight"], p["down.weight"]], [p["up.bias"], p["down.bias"]])
+    return predictors
+
+
+def draft_from_eagle(tensors: dict[str, np.ndarray], path: Path, target: TargetIdentity) -> DraftHead:
+    fc = tensors.get("fc.weight")
+    if fc is None or not any(k.startswith("layers.0.") for k in tensors):
+        raise SpecEEError(f"{path}: an EAGLE-1 draft head needs fc.weight and a decoder layer layers.0.*")
+    if fc.shape != (target.n_embd, 2 * target.n_embd):
+        raise SpecEEError(
+            f"{path}: draft head fc.weight is {list(fc.shape)}, the target needs [{target.n_embd}, {2 * target.n_embd}]"
+            f" (n_embd {target.n_embd})"
+        )
+    return DraftHead("eagle1", {k: v.astype(np.float32) for k, v in tensors.items()})
+
+
+def convert(
+    sources: list[str],
+    target: TargetIdentity,
+    *,
+    threshold: float = 0.5,
+    command: str | None = None,
+) -> Pack:
+    """Gather predictors and at most one draft head from `sources` into a pack for `target`."""
+    predictors: dict[int, MLPPredictor] = {}
+    draft = None
+    for source in sources:
+        path = Path(source.partition(":")[0] if not Path(source).exists() else source)
+        if not path.exists():
+            raise SpecEEError(f"source not found: {path}")
+        suffix = path.suffix.lower()
+        if suffix in (".joblib", ".pkl"):
+            found = predictors_from_sklearn(source)
+        elif suffix == ".npz":
+            found = predictors_from_npz(path)
+        elif suffix == ".safetensors":
+            tensors = read_safetensors(path)
+            if "fc.weight" in tensors:
+                if draft is not None:
+                    raise SpecEEError(f"{path}: a second draft head; a pack holds one")
+                draft = draft_from_eagle(tensors, path, target)
+                continue
+            found = predictors_from_paper(tensors, path)
+            if not found:
+                raise SpecEEError(f"{path}: neither SpecEE predictors nor an EAGLE-1 draft head")
+        else:
+            raise SpecEEError(f"{path}: unknown source type {suffix!r} (.joblib, .pkl, .npz or .safetensors)")
+        if overlap := set(found) & set(predictors):
+            raise SpecEEError(f"{path}: predictors for layers {sorted(overlap)} were already given")
+        predictors.update(found)
+
+    if not predictors:
+        raise SpecEEError("no predictors in the sources")
+    last = target.n_layer - 1
+    if out_of_range := sorted(il for il in predictors if not 0 <= il < last):
+        raise SpecEEError(
+            f"predictors for layers {out_of_range} do not fit the target ({target.arch}, {target.n_layer} layers:"
+            f" predictors go on layers 0..{last - 1})"
+        )
+    n_features = {p.n_features for p in predictors.values()}
+    if len(n_features) != 1 or next(iter(n_features)) % 3:
+        raise SpecEEError(f"predictors take {sorted(n_features)} features; all must take 3k (logits, probs, delta)")
+    return Pack(
+        target=target,
+        k=next(iter(n_features)) // 3,
+        threshold=threshold,
+        schedule=Schedule(offline=sorted(predictors)),
+        predictors=predictors,
+        draft=draft,
+        provenance={
+            "tool": "specee-edge convert",
+            "command": command or " ".join(sys.argv),
+            "sources": [str(s) for s in sources],
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "versions": {name: version(name) for name in ("specee-edge", "gguf", "numpy")},
+        },
+    )

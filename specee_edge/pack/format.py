@@ -1,0 +1,84 @@
+"""The specee pack: one GGUF holding a model's predictors, draft head, schedule and provenance.
+
+Metadata keys and tensor names are listed here once; README.md documents them as a table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specee_edge.predictor import MLPPredictor
+
+PACK_ARCH = "specee-pack"  # general.architecture of every pack
+FORMAT_VERSION = 1
+FEATURES = ("logits", "probs", "delta")  # per candidate, in this order: 3k features
+
+KEY_VERSION = "specee.version"
+KEY_TARGET_ARCH = "specee.target.arch"
+KEY_TARGET_N_LAYER = "specee.target.n_layer"
+KEY_TARGET_N_EMBD = "specee.target.n_embd"
+KEY_TARGET_N_VOCAB = "specee.target.n_vocab"
+KEY_TARGET_FINGERPRINT = "specee.target.fingerprint"
+KEY_K = "specee.k"
+KEY_THRESHOLD = "specee.threshold"
+KEY_FEATURES = "specee.features"
+KEY_PREDICTOR_LAYERS = "specee.predictor.layers"
+KEY_OFFLINE_LAYERS = "specee.schedule.offline"
+KEY_WINDOW = "specee.schedule.window"
+KEY_OFFSETS = "specee.schedule.offsets"
+KEY_DRAFT_KIND = "specee.draft.kind"
+KEY_PROVENANCE = "specee.provenance"  # JSON object
+
+
+def predictor_tensor(layer: int, j: int, part: str) -> str:
+    """`pred.<layer>.fc<j>.weight|bias`: the j-th linear layer of that layer's predictor."""
+    return f"pred.{layer}.fc{j}.{part}"
+
+
+DRAFT_PREFIX = "draft."
+DRAFT_VOCAB_MAP = "draft.vocab_map"  # I32 [n_draft_vocab]: target token id of each draft output, if reduced
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    """What a pack is bound to: checked against the model before anything runs."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    fingerprint: str
+
+    def describe(self) -> str:
+        return f"{self.arch}, {self.n_layer} layers, n_embd {self.n_embd}, vocab {self.n_vocab}, fingerprint {self.fingerprint[:12]}"
+
+
+@dataclass
+class Schedule:
+    """Offline layer set plus the online window: offsets around each of the last `window` exit layers."""
+
+    offline: list[int]
+    window: int = 5
+    offsets: list[int] = field(default_factory=lambda: [-2, 0, 2])
+
+
+@dataclass
+class DraftHead:
+    """Draft-head weights by name (without the `draft.` prefix), dequantized to float32."""
+
+    kind: str
+    tensors: dict[str, np.ndarray]
+    vocab_map: np.ndarray | None = None  # reduced vocabulary: target ids of the draft's outputs
+
+
+@dataclass
+class Pack:
+    target: TargetIdentity
+    k: int
+    threshold: float
+    schedule: Schedule
+    predictors: dict[int, MLPPredictor]
+    draft: DraftHead | None = None
+    provenance: dict = field(default_factory=dict)

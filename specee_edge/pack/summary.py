@@ -1,0 +1,77 @@
+"""`specee-edge info`: a readable summary of a model GGUF or a pack."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from rich.console import Group
+from rich.table import Table
+
+from specee_edge.pack.format import PACK_ARCH
+from specee_edge.pack.io import read_pack
+from specee_edge.pack.target import field_value, open_gguf, target_identity
+
+
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:.1f} MiB"
+
+
+def _kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def summarize(path: Path) -> Group:
+    reader = open_gguf(path)
+    if field_value(reader, "general.architecture") == PACK_ARCH:
+        return _pack_summary(path)
+    return _model_summary(path, reader)
+
+
+def _model_summary(path: Path, reader) -> Group:
+    from specee_edge.runtime import Model  # loads llama.cpp only for models
+
+    identity = target_identity(path)
+    types = Counter(t.tensor_type.name for t in reader.tensors)
+    n_params = sum(int(t.n_elements) for t in reader.tensors)
+    supported = Model(path).info.supports_early_exit
+    return Group(_kv_table(f"model {path.name}", [
+        ("architecture", identity.arch),
+        ("layers", str(identity.n_layer)),
+        ("n_embd", str(identity.n_embd)),
+        ("vocabulary", str(identity.n_vocab)),
+        ("parameters", f"{n_params / 1e6:.1f} M"),
+        ("file size", _size(path.stat().st_size)),
+        ("tensor types", ", ".join(f"{name} x{n}" for name, n in types.most_common())),
+        ("early exit", "supported" if supported else "not supported for this architecture"),
+        ("fingerprint", identity.fingerprint[:16]),
+    ]))
+
+
+def _pack_summary(path: Path) -> Group:
+    pack = read_pack(path)
+    t = pack.target
+    head = _kv_table(f"pack {path.name}", [
+        ("target", t.describe()),
+        ("candidates (k)", str(pack.k)),
+        ("exit threshold", f"{pack.threshold:g}"),
+        ("offline layers", ", ".join(map(str, pack.schedule.offline))),
+        ("online window", f"last {pack.schedule.window} exits, offsets {pack.schedule.offsets}"),
+        ("draft head", f"{pack.draft.kind}, {len(pack.draft.tensors)} tensors"
+         + (f", reduced vocabulary of {len(pack.draft.vocab_map)}" if pack.draft and pack.draft.vocab_map is not None else "")
+         if pack.draft else "none"),
+        ("file size", _size(path.stat().st_size)),
+    ])
+    predictors = Table(title="predictors", title_justify="left")
+    for column in ("layer", "shape", "parameters"):
+        predictors.add_column(column, justify="right")
+    for layer, p in sorted(pack.predictors.items()):
+        n = sum(w.size + b.size for w, b in zip(p.weights, p.biases))
+        predictors.add_row(str(layer), " -> ".join(map(str, p.shape)), f"{n:,}")
+    provenance = _kv_table("provenance", [(k, str(v)) for k, v in sorted(pack.provenance.items())])
+    return Group(head, predictors, provenance)

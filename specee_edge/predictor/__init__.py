@@ -1,0 +1,5 @@
+"""Exit predictors: features and the per-layer MLP."""
+
+from specee_edge.predictor.mlp import MLPPredictor
+
+__all__ = ["MLPPredictor"]

@@ -1,0 +1,330 @@
+"""Packs: round trips, conversion from other formats, binding to the target, hostile files, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import joblib
+import numpy as np
+import pytest
+from sklearn.neural_network import MLPClassifier
+from typer.testing import CliRunner
+
+import specee_edge.pack.io as pack_io
+from specee_edge.cli import app
+from specee_edge.errors import SpecEEError
+from specee_edge.pack import (
+    DraftHead,
+    Pack,
+    PackError,
+    PackMismatchError,
+    Schedule,
+    check_target,
+    read_pack,
+    target_identity,
+    write_pack,
+)
+from specee_edge.pack.convert import convert
+from specee_edge.pack.safetensors import write_safetensors
+from specee_edge.predictor import MLPPredictor
+from tests.conftest import tiny_model_path
+from tests.tiny_gguf import write_corrupt_model
+
+RNG = np.random.default_rng(0)
+K = 4
+
+
+def random_predictor(hidden: int = 512, n_features: int = 3 * K) -> MLPPredictor:
+    return MLPPredictor(
+        [RNG.standard_normal((hidden, n_features)).astype(np.float32) * 0.3,
+         RNG.standard_normal((1, hidden)).astype(np.float32) * 0.1],
+        [RNG.standard_normal(hidden).astype(np.float32) * 0.1, np.array([0.2], dtype=np.float32)],
+    )
+
+
+def eagle_tensors(n_embd: int) -> dict[str, np.ndarray]:
+    def w(*shape):
+        return (RNG.standard_normal(shape) * 0.05).astype(np.float16)
+
+    return {
+        "fc.weight": w(n_embd, 2 * n_embd), "fc.bias": w(n_embd),
+        "layers.0.self_attn.q_proj.weight": w(n_embd, n_embd), "layers.0.self_attn.k_proj.weight": w(n_embd, n_embd),
+        "layers.0.self_attn.v_proj.weight": w(n_embd, n_embd), "layers.0.self_attn.o_proj.weight": w(n_embd, n_embd),
+        "layers.0.mlp.gate_proj.weight": w(2 * n_embd, n_embd), "layers.0.mlp.up_proj.weight": w(2 * n_embd, n_embd),
+        "layers.0.mlp.down_proj.weight": w(n_embd, 2 * n_embd),
+        "layers.0.post_attention_layernorm.weight": np.ones(n_embd, dtype=np.float16),
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tiny_model_path(tmp_path_factory.mktemp("pack-models"), "llama")
+    return path, target_identity(path)
+
+
+def sample_pack(target, *, draft: bool = True) -> Pack:
+    return Pack(
+        target=target,
+        k=K,
+        threshold=0.5,
+        schedule=Schedule(offline=[1, 2]),
+        predictors={layer: random_predictor(hidden=64) for layer in (0, 1, 2)},
+        draft=DraftHead("eagle1", {k: v.astype(np.float32) for k, v in eagle_tensors(target.n_embd).items()},
+                        vocab_map=np.arange(100, dtype=np.int64)) if draft else None,
+        provenance={"command": "test", "samples_per_layer": [10, 20, 30]},
+    )
+
+
+FEATURES = RNG.standard_normal((256, 3 * K)).astype(np.float32)
+
+
+# --- round trips ---------------------------------------------------------------------------------
+
+
+def test_round_trip_f32_is_exact(tiny, tmp_path):
+    _, target = tiny
+    pack = sample_pack(target)
+    back = read_pack(write_pack(tmp_path / "p.gguf", pack, draft_quant="q8_0"))
+    assert (back.target, back.k, back.threshold, back.schedule, back.provenance) == (
+        pack.target, pack.k, pack.threshold, pack.schedule, pack.provenance)
+    assert back.predictors.keys() == pack.predictors.keys()
+    for layer, p in pack.predictors.items():
+        for a, b in zip(p.weights + p.biases, back.predictors[layer].weights + back.predictors[layer].biases):
+            np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(back.draft.vocab_map, pack.draft.vocab_map)
+    for name, array in pack.draft.tensors.items():  # Q8_0: 8-bit blocks of 32
+        np.testing.assert_allclose(back.draft.tensors[name], array, atol=np.abs(array).max() / 100)
+
+
+@pytest.mark.parametrize("quant, rel", [("q4_0", 1 / 6), ("f16", 1e-3)])
+def test_draft_quantization_options(tiny, tmp_path, quant, rel):
+    _, target = tiny
+    pack = sample_pack(target)
+    back = read_pack(write_pack(tmp_path / "p.gguf", pack, draft_quant=quant))
+    w = pack.draft.tensors["fc.weight"]
+    np.testing.assert_allclose(back.draft.tensors["fc.weight"], w, atol=np.abs(w).max() * rel)
+    q4, q8 = (tmp_path / "q4.gguf"), (tmp_path / "q8.gguf")
+    write_pack(q4, pack, draft_quant="q4_0")
+    write_pack(q8, pack, draft_quant="q8_0")
+    assert q4.stat().st_size < q8.stat().st_size
+
+
+def test_f16_predictors_match_within_f16_tolerance(tiny, tmp_path):
+    _, target = tiny
+    pack = sample_pack(target, draft=False)
+    back = read_pack(write_pack(tmp_path / "p.gguf", pack, predictor_type="f16"))
+    for layer, p in pack.predictors.items():
+        np.testing.assert_allclose(back.predictors[layer](FEATURES), p(FEATURES), atol=2e-3)
+
+
+# --- conversion ----------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_convert_sklearn_joblib(tiny, tmp_path):
+    _, target = tiny
+    x = RNG.standard_normal((400, 3 * K))
+    y = (x[:, 0] + x[:, 5] > 0).astype(int)
+    classifiers = {layer: MLPClassifier(hidden_layer_sizes=(512,), max_iter=30, random_state=layer).fit(x, y)
+                   for layer in (1, 2)}
+    joblib.dump(classifiers, tmp_path / "preds.joblib")
+    joblib.dump(MLPClassifier(hidden_layer_sizes=(16,), max_iter=30).fit(x, y), tmp_path / "one.joblib")
+
+    pack = convert([str(tmp_path / "preds.joblib"), f"{tmp_path / 'one.joblib'}:0"], target)
+    back = read_pack(write_pack(tmp_path / "p.gguf", pack))
+    for layer, clf in classifiers.items():
+        np.testing.assert_allclose(back.predictors[layer](FEATURES), clf.predict_proba(FEATURES)[:, 1], atol=1e-5)
+    assert back.predictors[1].shape == (12, 512, 1) and back.predictors[0].shape == (12, 16, 1)
+    with pytest.raises(SpecEEError, match="give its layer"):
+        convert([str(tmp_path / "one.joblib")], target)
+
+
+def test_convert_npz(tiny, tmp_path):
+    _, target = tiny
+    p = random_predictor(hidden=32)
+    np.savez(tmp_path / "p.npz", **{"layer2.weight0": p.weights[0], "layer2.bias0": p.biases[0],
+                                     "layer2.weight1": p.weights[1], "layer2.bias1": p.biases[1]})
+    back = read_pack(write_pack(tmp_path / "p.gguf", convert([str(tmp_path / "p.npz")], target)))
+    np.testing.assert_allclose(back.predictors[2](FEATURES), p(FEATURES), atol=1e-6)
+
+
+def paper_safetensors(path, layers, hidden=512):
+    """The SpecEE paper's released predictor file layout: F16 `model.layers.{i}.pred.{up,down}.*`."""
+    tensors, reference = {}, {}
+    for il in layers:
+        p = random_predictor(hidden)
+        half = [a.astype(np.float16) for a in (p.weights[0], p.biases[0], p.weights[1], p.biases[1])]
+        tensors |= {f"model.layers.{il}.pred.up.weight": half[0], f"model.layers.{il}.pred.up.bias": half[1],
+                    f"model.layers.{il}.pred.down.weight": half[2], f"model.layers.{il}.pred.down.bias": half[3]}
+        reference[il] = MLPPredictor([half[0].astype(np.float32), half[2].astype(np.float32)],
+                                     [half[1].astype(np.float32), half[3].astype(np.float32)])
+    write_safetensors(path, tensors)
+    return reference
+
+
+def test_convert_paper_safetensors_and_eagle_draft(tiny, tmp_path):
+    _, target = tiny
+    reference = paper_safetensors(tmp_path / "model-predictor.safetensors", layers=[0, 1, 2])
+    write_safetensors(tmp_path / "eagle.safetensors", eagle_tensors(target.n_embd))
+    pack = convert([str(tmp_path / "model-predictor.safetensors"), str(tmp_path / "eagle.safetensors")], target)
+    back = read_pack(write_pack(tmp_path / "p.gguf", pack, draft_quant="q8_0"))
+    for il, p in reference.items():
+        np.testing.assert_allclose(back.predictors[il](FEATURES), p(FEATURES), atol=1e-5)
+    assert back.draft.kind == "eagle1" and back.draft.tensors["fc.weight"].shape == (target.n_embd, 2 * target.n_embd)
+
+
+def test_convert_refuses_sources_that_do_not_fit_the_target(tiny, tmp_path):
+    _, target = tiny  # 4 layers: predictors on 0..2
+    paper_safetensors(tmp_path / "llama2.safetensors", layers=[15, 16, 17], hidden=8)
+    with pytest.raises(SpecEEError, match=r"layers \[15, 16, 17\].*4 layers"):
+        convert([str(tmp_path / "llama2.safetensors")], target)
+    write_safetensors(tmp_path / "eagle.safetensors", eagle_tensors(target.n_embd * 2))
+    paper_safetensors(tmp_path / "ok.safetensors", layers=[1], hidden=8)
+    with pytest.raises(SpecEEError, match=rf"fc.weight is \[{2 * target.n_embd}, .*n_embd {target.n_embd}"):
+        convert([str(tmp_path / "ok.safetensors"), str(tmp_path / "eagle.safetensors")], target)
+    with pytest.raises(SpecEEError, match="unknown source type"):
+        convert([str(tiny[0])], target)
+
+
+def test_pack_for_another_model_is_refused(tiny, default_model, tmp_path):
+    path, target = tiny
+    pack = read_pack(write_pack(tmp_path / "p.gguf", sample_pack(target)))
+    check_target(pack.target, target, tmp_path / "p.gguf", path)
+    other = target_identity(default_model.info.path)
+    with pytest.raises(PackMismatchError, match=r"made for another model.*4 layers.*30 layers"):
+        check_target(pack.target, other, tmp_path / "p.gguf", default_model.info.path)
+
+
+# --- hostile packs -------------------------------------------------------------------------------
+
+
+def write_unchecked(path, pack, monkeypatch):
+    """Write a pack that breaks the rules, as a broken or hostile tool would."""
+    monkeypatch.setattr(pack_io, "validate", lambda *a, **k: None)
+    write_pack(path, pack)
+    monkeypatch.undo()
+    return path
+
+
+def test_broken_packs_are_refused(tiny, tmp_path, monkeypatch):
+    _, target = tiny
+    bad_shape = sample_pack(target, draft=False)
+    bad_shape.predictors[1] = random_predictor(hidden=64, n_features=10)
+    nan = sample_pack(target, draft=False)
+    nan.predictors[2].weights[1][0, 3] = np.nan
+    bad_layer = sample_pack(target, draft=False)
+    bad_layer.predictors[7] = random_predictor(hidden=8)
+    bad_k = sample_pack(target, draft=False)
+    bad_k.k = 11
+    cases = {
+        "chain from 12 inputs": bad_shape,
+        "NaN or infinite": nan,
+        "out of range": bad_layer,
+        "must be 1..8": bad_k,
+    }
+    for reason, pack in cases.items():
+        path = write_unchecked(tmp_path / "bad.gguf", pack, monkeypatch)
+        with pytest.raises(PackError, match=reason):
+            read_pack(path)
+        with pytest.raises(PackError, match=reason):  # and nobody writes one
+            write_pack(tmp_path / "refused.gguf", pack)
+
+
+def test_unknown_version_missing_tensor_and_wrong_files(tiny, tmp_path, monkeypatch):
+    path, target = tiny
+    monkeypatch.setattr(pack_io, "FORMAT_VERSION", 99)
+    future = write_pack(tmp_path / "future.gguf", sample_pack(target, draft=False))
+    monkeypatch.undo()
+    with pytest.raises(PackError, match="version 99"):
+        read_pack(future)
+
+    good = write_pack(tmp_path / "good.gguf", sample_pack(target, draft=False))
+    data = good.read_bytes().replace(b"pred.1.fc1.bias", b"pred.1.fc1.XXXX")
+    (tmp_path / "missing.gguf").write_bytes(data)
+    with pytest.raises(PackError, match="missing tensor pred.1.fc1.bias"):
+        read_pack(tmp_path / "missing.gguf")
+
+    with pytest.raises(PackError, match="not a specee pack"):
+        read_pack(path)  # a model, not a pack
+    for kind in ("truncated", "garbage", "empty"):
+        with pytest.raises(PackError):
+            read_pack(write_corrupt_model(tmp_path / f"{kind}.gguf", kind))
+    with pytest.raises(PackError, match="not found"):
+        read_pack(tmp_path / "nope.gguf")
+
+
+def test_absurd_declared_tensor_size(tiny, tmp_path):
+    _, target = tiny
+    good = write_pack(tmp_path / "good.gguf", sample_pack(target, draft=False))
+    reader = gguf.GGUFReader(good)
+    t = next(t for t in reader.tensors if t.name == "pred.0.fc0.weight")
+    data = bytearray(good.read_bytes())
+    # the tensor info: name, n_dims (u32), dims (u64 each): make the first dimension 2^40
+    at = data.index(b"pred.0.fc0.weight") + len(b"pred.0.fc0.weight") + 4
+    data[at : at + 8] = (1 << 40).to_bytes(8, "little")
+    (tmp_path / "absurd.gguf").write_bytes(data)
+    assert t.n_elements < 1 << 40
+    with pytest.raises(PackError):
+        read_pack(tmp_path / "absurd.gguf")
+
+
+def test_fuzzed_packs_never_crash_or_pass_invalid(tiny, tmp_path):
+    """Bounded fuzz: random byte edits give either PackError or a pack that validates."""
+    _, target = tiny
+    good = write_pack(tmp_path / "good.gguf", sample_pack(target)).read_bytes()
+    rng = np.random.default_rng(1234)
+    outcomes = {"refused": 0, "read": 0}
+    for i in range(300):
+        data = bytearray(good)
+        for _ in range(rng.integers(1, 9)):
+            # half the edits hit the header, where the structure is
+            limit = 4096 if rng.random() < 0.5 else len(data)
+            data[rng.integers(0, limit)] = rng.integers(0, 256)
+        path = tmp_path / "fuzz.gguf"
+        path.write_bytes(data)
+        try:
+            pack = read_pack(path)
+        except PackError:
+            outcomes["refused"] += 1
+            continue
+        pack_io.validate(pack)  # whatever reads must be a usable pack
+        outcomes["read"] += 1
+    assert outcomes["refused"] > 0 and outcomes["read"] > 0
+
+
+# --- CLI -----------------------------------------------------------------------------------------
+
+
+def test_cli_convert_and_info(tiny, tmp_path):
+    path, target = tiny
+    paper_safetensors(tmp_path / "preds.safetensors", layers=[0, 2])
+    write_safetensors(tmp_path / "eagle.safetensors", eagle_tensors(target.n_embd))
+    runner = CliRunner()
+    out = tmp_path / "tiny.specee.gguf"
+    result = runner.invoke(app, ["convert", str(tmp_path / "preds.safetensors"), str(tmp_path / "eagle.safetensors"),
+                                 "-o", str(out), "--model", str(path), "--quant", "q4_0"])
+    assert result.exit_code == 0, result.output
+    assert "2 predictors (k = 4) and a eagle1 draft head" in result.output
+    assert "specee-edge convert" in json.dumps(read_pack(out).provenance)
+
+    result = runner.invoke(app, ["info", str(out)])
+    assert result.exit_code == 0, result.output
+    for text in ("candidates (k)", "12 -> 512 -> 1", "eagle1", "provenance", "llama, 4 layers"):
+        assert text in result.output
+
+    result = runner.invoke(app, ["info", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "architecture" in result.output and "supported" in result.output
+
+
+def test_cli_errors_are_one_line(tiny, tmp_path):
+    path, _ = tiny
+    runner = CliRunner()
+    garbage = write_corrupt_model(tmp_path / "garbage.gguf", "garbage")
+    for args in (["info", str(garbage)], ["info", str(tmp_path / "nope.gguf")],
+                 ["convert", str(tmp_path / "nope.npz"), "-o", str(tmp_path / "x.gguf"), "--model", str(path)],
+                 ["convert", "a.npz", "-o", "x.gguf", "--model", str(path), "--quant", "q3"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 1
+        assert result.output.strip().count("\n") == 0 and "error:" in result.output
