@@ -144,8 +144,6 @@ def read_pack(path: str | os.PathLike) -> Pack:
     try:
         reader = gguf.GGUFReader(path)
         tensors = {t.name: t for t in reader.tensors}
-    except PackError:
-        raise
     except Exception as e:  # gguf-py raises many kinds on a damaged file
         raise PackError(f"cannot read pack {path.name}: corrupt or truncated GGUF ({type(e).__name__})") from None
 

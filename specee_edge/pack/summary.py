@@ -53,6 +53,15 @@ def _model_summary(path: Path, reader) -> Group:
     ]))
 
 
+def _draft_text(pack) -> str:
+    if pack.draft is None:
+        return "none"
+    text = f"{pack.draft.kind}, {len(pack.draft.tensors)} tensors"
+    if pack.draft.vocab_map is not None:
+        text += f", reduced vocabulary of {len(pack.draft.vocab_map)}"
+    return text
+
+
 def _pack_summary(path: Path) -> Group:
     pack = read_pack(path)
     t = pack.target
@@ -62,9 +71,7 @@ def _pack_summary(path: Path) -> Group:
         ("exit threshold", f"{pack.threshold:g}"),
         ("offline layers", ", ".join(map(str, pack.schedule.offline))),
         ("online window", f"last {pack.schedule.window} exits, offsets {pack.schedule.offsets}"),
-        ("draft head", f"{pack.draft.kind}, {len(pack.draft.tensors)} tensors"
-         + (f", reduced vocabulary of {len(pack.draft.vocab_map)}" if pack.draft and pack.draft.vocab_map is not None else "")
-         if pack.draft else "none"),
+        ("draft head", _draft_text(pack)),
         ("file size", _size(path.stat().st_size)),
     ])
     predictors = Table(title="predictors", title_justify="left")
