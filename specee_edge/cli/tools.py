@@ -1,4 +1,4 @@
-"""The `specee-edge` command line (typer)."""
+"""Housekeeping commands: doctor, version, info, convert."""
 
 from __future__ import annotations
 
@@ -7,20 +7,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from specee_edge import __version__
+from specee_edge.cli.app import app, console, fail
 from specee_edge.errors import SpecEEError
-
-app = typer.Typer(help="Speculative early exit (SpecEE) for llama.cpp models.", no_args_is_help=True)
-console = Console()
-err_console = Console(stderr=True, soft_wrap=True)  # one line, however narrow the terminal
-
-
-def fail(error: Exception) -> typer.Exit:
-    """Print a one-line error; the caller raises the returned Exit."""
-    err_console.print(f"[red]error:[/red] {error}", highlight=False)
-    return typer.Exit(1)
 
 
 @app.command()
