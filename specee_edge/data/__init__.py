@@ -1,0 +1,1 @@
+"""Built-in prompt sets and held-out text (package data)."""
