@@ -25,6 +25,7 @@ KEY_K = "specee.k"
 KEY_THRESHOLD = "specee.threshold"
 KEY_FEATURES = "specee.features"
 KEY_PREDICTOR_LAYERS = "specee.predictor.layers"
+KEY_THRESHOLDS = "specee.predictor.thresholds"  # optional, per predictor layer; overrides specee.threshold
 KEY_OFFLINE_LAYERS = "specee.schedule.offline"
 KEY_WINDOW = "specee.schedule.window"
 KEY_OFFSETS = "specee.schedule.offsets"
@@ -82,3 +83,4 @@ class Pack:
     predictors: dict[int, MLPPredictor]
     draft: DraftHead | None = None
     provenance: dict = field(default_factory=dict)
+    thresholds: dict[int, float] = field(default_factory=dict)  # per layer, calibrated; else `threshold`

@@ -29,6 +29,7 @@ from specee_edge.pack.format import (
     KEY_TARGET_N_LAYER,
     KEY_TARGET_N_VOCAB,
     KEY_THRESHOLD,
+    KEY_THRESHOLDS,
     KEY_VERSION,
     KEY_WINDOW,
     PACK_ARCH,
@@ -86,6 +87,8 @@ def write_pack(path: str | os.PathLike, pack: Pack, *, predictor_type: str = "f3
     writer.add_float32(KEY_THRESHOLD, pack.threshold)
     writer.add_array(KEY_FEATURES, list(FEATURES))
     writer.add_array(KEY_PREDICTOR_LAYERS, sorted(pack.predictors))
+    if pack.thresholds:
+        writer.add_array(KEY_THRESHOLDS, [float(pack.thresholds[il]) for il in sorted(pack.predictors)])
     writer.add_array(KEY_OFFLINE_LAYERS, list(pack.schedule.offline))
     writer.add_uint32(KEY_WINDOW, pack.schedule.window)
     writer.add_array(KEY_OFFSETS, list(pack.schedule.offsets))
@@ -204,6 +207,12 @@ def _decode(reader: gguf.GGUFReader, tensors: dict, path: Path) -> Pack:
         vocab_map = np.asarray(tensors[DRAFT_VOCAB_MAP].data, dtype=np.int64) if DRAFT_VOCAB_MAP in tensors else None
         draft = DraftHead(kind, draft_tensors, vocab_map)
 
+    thresholds = {}
+    if reader.get_field(KEY_THRESHOLDS) is not None:
+        values = _field(reader, KEY_THRESHOLDS, list, path)
+        if len(values) != len(predictors):
+            raise PackError(f"{path.name}: {KEY_THRESHOLDS} has {len(values)} values for {len(predictors)} predictors")
+        thresholds = dict(zip(sorted(predictors), (float(v) for v in values)))
     try:
         provenance = json.loads(_field(reader, KEY_PROVENANCE, str, path))
     except json.JSONDecodeError:
@@ -220,6 +229,7 @@ def _decode(reader: gguf.GGUFReader, tensors: dict, path: Path) -> Pack:
         predictors=predictors,
         draft=draft,
         provenance=provenance if isinstance(provenance, dict) else {},
+        thresholds=thresholds,
     )
 
 
@@ -239,6 +249,8 @@ def validate(pack: Pack, *, name: str = "pack") -> None:
         fail(f"k = {pack.k} candidates; must be 1..8")
     if not 0.0 < pack.threshold < 1.0:
         fail(f"threshold {pack.threshold} is not in (0, 1)")
+    if set(pack.thresholds) - set(pack.predictors) or not all(0.0 < t <= 1.0 for t in pack.thresholds.values()):
+        fail("per-layer thresholds must be in (0, 1] and belong to predictor layers")
     last = t.n_layer - 1
     for layer in [*pack.predictors, *pack.schedule.offline]:
         if not 0 <= layer < last:

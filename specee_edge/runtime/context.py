@@ -141,8 +141,12 @@ class Context:
     def n_past(self) -> int:
         return _llama.llama_memory_seq_pos_max(self._mem, SEQ) + 1
 
-    def decode(self, tokens: Sequence[int]) -> int | None:
-        """Append `tokens`; logits for the last one. Returns the exit layer, or None for full depth."""
+    def decode(self, tokens: Sequence[int], *, output_all: bool = False) -> int | None:
+        """Append `tokens`; logits for the last one (for each, with output_all).
+
+        Returns the exit layer, or None for full depth. output_all also makes the last layer's
+        hidden state exist for every token (llama.cpp otherwise prunes it to the output rows).
+        """
         if not tokens:
             raise SpecEEError("nothing to decode")
         if self.n_past + len(tokens) > self.n_ctx:
@@ -153,17 +157,33 @@ class Context:
         for t in tokens:
             if not 0 <= t < self.n_vocab:
                 raise SpecEEError(f"token id {t} is out of range [0, {self.n_vocab})")
-        # n_batch tokens at a time; llama_batch_get_one asks for the logits of each chunk's last token
         for start in range(0, len(tokens), self.n_batch):
             chunk = tokens[start : start + self.n_batch]
-            array = (_llama.llama_token * len(chunk))(*chunk)
-            rc = _llama.llama_decode(self._ctx, _llama.llama_batch_get_one(array, len(chunk)))
+            if output_all:
+                rc = self._decode_all(chunk, self.n_past)
+            else:  # llama_batch_get_one asks for the logits of the chunk's last token
+                array = (_llama.llama_token * len(chunk))(*chunk)
+                rc = _llama.llama_decode(self._ctx, _llama.llama_batch_get_one(array, len(chunk)))
             self._raise_callback_error()
             if rc == 1:
                 raise ContextFullError("context full: no KV cache slot for the batch")
             if rc != 0:
                 raise SpecEEError(f"llama_decode failed ({rc})")
         return self.exit_layer
+
+    def _decode_all(self, chunk: Sequence[int], pos0: int) -> int:
+        batch = _llama.llama_batch_init(len(chunk), 0, 1)
+        try:
+            for i, t in enumerate(chunk):
+                batch.token[i] = t
+                batch.pos[i] = pos0 + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = SEQ
+                batch.logits[i] = True
+            batch.n_tokens = len(chunk)
+            return _llama.llama_decode(self._ctx, batch)
+        finally:
+            _llama.llama_batch_free(batch)
 
     def resume(self) -> int | None:
         """Continue the last stopped token from the layer after its exit (probes still active)."""

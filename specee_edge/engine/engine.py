@@ -1,0 +1,231 @@
+"""The SpecEE decoding engine: one loaded model, an optional pack, and the per-token loop.
+
+    stream()  yields a TokenRecord per generated token      (mlx-lm's stream_generate)
+    generate() returns the text and the stats                (mlx-lm's generate)
+    chat()     formats messages with the GGUF's chat template, then generate()
+
+The KV cache is kept between calls: a new prompt that extends the tokens already in the cache (the
+next turn of a chat) only decodes what is new.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+from specee_edge.default_model import default_model_path
+from specee_edge.engine.exit import ExitPolicy, find_pack
+from specee_edge.engine.records import GenerationStats, TokenRecord
+from specee_edge.engine.sampling import SamplingParams, sample
+from specee_edge.engine.stops import StopMatcher
+from specee_edge.errors import ContextFullError, SpecEEError
+from specee_edge.runtime import Context, Model
+
+DEFAULT_KV_MODE = "mask"
+AUTO = "auto"  # pack=AUTO: MODEL.specee.gguf beside the model, else a shipped pack in models/
+
+
+def default_threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+@dataclass
+class EngineConfig:
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_threads: int = field(default_factory=default_threads)
+    n_gpu_layers: int = 0
+    kv_mode: str = DEFAULT_KV_MODE
+    threshold: float | None = None  # None: the pack's per-layer thresholds
+    early_exit: bool = True
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int]
+    stats: GenerationStats
+
+
+class Engine:
+    def __init__(self, model: str | os.PathLike | None = None, pack: str | os.PathLike | None = AUTO,
+                 config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        model_path = Path(model) if model is not None else default_model_path()
+        self.model = Model(model_path, n_gpu_layers=self.config.n_gpu_layers)
+        self.n_layer = self.model.info.n_layer
+        self.pack_path = find_pack(model_path) if pack == AUTO else (Path(pack) if pack is not None else None)
+        self.policy = ExitPolicy.load(self.pack_path, model_path, threshold=self.config.threshold) if self.pack_path else None
+        self.ctx = Context(self.model, n_ctx=self.config.n_ctx, n_batch=self.config.n_batch,
+                           n_threads=self.config.n_threads)
+        if self.policy:
+            self.ctx.enable_early_exit(self.policy.k, self.config.kv_mode)
+            self.policy.attach(self.ctx)
+        self.early_exit = self.config.early_exit and self.policy is not None
+        self._kv_tokens: list[int] = []  # the tokens whose K/V are in the cache, in order
+        self._hidden: np.ndarray | None = None  # h of the last cached position, for the draft
+        self.stats = GenerationStats(self.n_layer, self.early_exit)
+
+    # --- one token -------------------------------------------------------------------------
+
+    def _forward(self, token: int) -> TokenRecord:
+        """Decode one token; its record (id filled in later) and the logits stay in self.ctx."""
+        if not self.early_exit:
+            t0 = time.perf_counter()
+            self.ctx.decode([token])
+            return TokenRecord(-1, "", None, 0, 0, None, forward_ms=(time.perf_counter() - t0) * 1e3)
+        policy = self.policy
+        t0 = time.perf_counter()
+        candidates = policy.draft.propose(token, self._hidden)            # 1. draft: k candidates
+        t1 = time.perf_counter()
+        policy.begin_token(candidates)                                    # 2. probes on the scheduled layers
+        exit_layer = self.ctx.decode([token])                             # 3. layers; predictor + verify in the probes
+        t2 = time.perf_counter()
+        self._hidden = policy.hidden_after(exit_layer)                    # 4. h for the next draft
+        policy.schedule.record_exit(exit_layer)                           # 5. online schedule
+        return TokenRecord(-1, "", exit_layer, policy.probes, policy.verify_failures, None,
+                           draft_ms=(t1 - t0) * 1e3, forward_ms=(t2 - t1) * 1e3,
+                           predictor_ms=policy.predictor_s * 1e3, verify_ms=policy.verify_s * 1e3)
+
+    def _prefill(self, tokens: list[int]) -> None:
+        """Make the cache hold `tokens`, decoding only what it lacks; logits for the last one."""
+        n_common = 0
+        for a, b in zip(self._kv_tokens, tokens):
+            if a != b:
+                break
+            n_common += 1
+        n_common = min(n_common, len(tokens) - 1)  # decode at least one token to get logits
+        if n_common < len(self._kv_tokens):
+            self.ctx.truncate(n_common)
+            del self._kv_tokens[n_common:]
+        if self.policy:
+            self.policy.begin_prompt()
+        self.ctx.decode(tokens[n_common:])
+        self._kv_tokens.extend(tokens[n_common:])
+        if self.policy:
+            self._hidden = self.policy.hidden_after(None)
+            self.policy.schedule.reset()
+
+    # --- generation ------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.model.tokenize(text, add_special=True, parse_special=True)
+
+    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams | None = None,
+               stop: Sequence[str] = ()) -> Iterator[TokenRecord]:
+        """Generate up to max_tokens after `prompt`, one record per token; self.stats follows along.
+
+        Closing the generator early (or Ctrl+C) leaves the engine consistent and usable.
+        """
+        sampling = sampling or SamplingParams()
+        tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not tokens:
+            raise SpecEEError("the prompt is empty")
+        if len(tokens) >= self.ctx.n_ctx:
+            raise ContextFullError(
+                f"the prompt ({len(tokens)} tokens) does not fit the context of {self.ctx.n_ctx}"
+                " (use a larger -c/--ctx-size or a shorter prompt)"
+            )
+        rng = np.random.default_rng(sampling.seed)
+        stats = self.stats = GenerationStats(self.n_layer, self.early_exit, n_prompt=len(tokens))
+        stops = StopMatcher(stop)
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        history = list(tokens)
+        try:
+            t0 = time.perf_counter()
+            self._prefill(tokens)
+            record = TokenRecord(-1, "", None, 0, 0, None)
+            for n in range(max_tokens):
+                t_sample = time.perf_counter()
+                token = sample(self.ctx.logits(), sampling, rng, history)
+                record.id = token
+                record.sample_ms = (time.perf_counter() - t_sample) * 1e3
+                if self.early_exit and n > 0:
+                    record.draft_hit = token in self.policy.candidates
+                if n == 0:
+                    stats.prompt_s = time.perf_counter() - t0
+                else:
+                    stats.add(record)
+                    stats.decode_s += time.perf_counter() - t0
+                if self.model.is_eog(token):
+                    stats.finish_reason = "stop"
+                    record.text = stops.flush()
+                    yield record
+                    return
+                history.append(token)
+                record.text, stopped = stops.feed(utf8.decode(self.model.token_to_piece(token)))
+                if stopped:
+                    stats.finish_reason = "stop"
+                    yield record
+                    return
+                if n == max_tokens - 1:
+                    break
+                if self.ctx.n_past + 1 > self.ctx.n_ctx:
+                    stats.finish_reason = "context"
+                    record.text += stops.flush()
+                    yield record
+                    return
+                yield record
+                t0 = time.perf_counter()
+                record = self._forward(token)
+                self._kv_tokens.append(token)
+            stats.finish_reason = "length"
+            record.text += stops.flush()
+            yield record
+        except (KeyboardInterrupt, GeneratorExit):
+            stats.finish_reason = "interrupted"
+            raise
+        finally:
+            self._sync_cache()
+
+    def _sync_cache(self) -> None:
+        """After an interruption the cache may hold a token the engine did not record: drop it."""
+        if self.ctx.n_past != len(self._kv_tokens):
+            self.ctx.truncate(len(self._kv_tokens))
+            self._hidden = None
+            self._kv_tokens = self._kv_tokens[: self.ctx.n_past]
+
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> Generation:
+        records = list(self.stream(prompt, **kwargs))
+        return Generation("".join(r.text for r in records), [r.id for r in records], self.stats)
+
+    # --- chat ------------------------------------------------------------------------------
+
+    def format_chat(self, messages: list[dict], chat_template: str | None = None) -> str:
+        template = chat_template or self.model.meta("tokenizer.chat_template")
+        if not template:
+            raise SpecEEError(f"{self.model.info.path.name} has no chat template: pass --chat-template")
+        vocab_piece = lambda key: self.model.token_to_piece(int(self.model.meta(key) or 0), special=True).decode(errors="replace")
+        formatter = Jinja2ChatFormatter(template, eos_token=vocab_piece("tokenizer.ggml.eos_token_id"),
+                                        bos_token=vocab_piece("tokenizer.ggml.bos_token_id"))
+        return formatter(messages=messages).prompt
+
+    def stream_chat(self, messages: list[dict], *, chat_template: str | None = None, **kwargs) -> Iterator[TokenRecord]:
+        return self.stream(self.format_chat(messages, chat_template), **kwargs)
+
+    def chat(self, messages: list[dict], *, chat_template: str | None = None, **kwargs) -> Generation:
+        return self.generate(self.format_chat(messages, chat_template), **kwargs)
+
+    def set_early_exit(self, on: bool) -> None:
+        if on and self.policy is None:
+            raise SpecEEError("no pack is loaded: early exit needs one (specee-edge calibrate MODEL.gguf)")
+        self.early_exit = on
+        if self.policy:
+            self.policy.set_active(on)
+
+    def reset(self) -> None:
+        """Forget the conversation: clear the KV cache."""
+        self.ctx.clear()
+        self._kv_tokens.clear()
+        self._hidden = None
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.model.close()

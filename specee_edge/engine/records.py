@@ -1,0 +1,99 @@
+"""What the engine reports: one record per token, stats per generation (names from SPEC.md §5)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class TokenRecord:
+    """One generated token. Times in milliseconds."""
+
+    id: int
+    text: str                  # the piece this token adds to the reply (may be "" mid-character or held for a stop string)
+    exit_layer: int | None     # None: the token ran every layer
+    probes: int                # predictors evaluated
+    verify_failures: int       # positive predictions whose exit logits' top-1 was not a candidate
+    draft_hit: bool | None     # the emitted token was among the draft's candidates (None: early exit off)
+    draft_ms: float = 0.0
+    forward_ms: float = 0.0    # llama_decode: layers, probes, predictor, verification, KV handling
+    predictor_ms: float = 0.0  # inside forward_ms: features, MLPs, schedule
+    verify_ms: float = 0.0     # inside forward_ms: reading the exit logits and checking the top-1
+    sample_ms: float = 0.0
+
+
+@dataclass
+class GenerationStats:
+    n_layer: int
+    early_exit: bool
+    n_prompt: int = 0
+    n_decode: int = 0
+    prompt_s: float = 0.0
+    decode_s: float = 0.0
+    exits: int = 0
+    exit_layer_sum: int = 0
+    probes: int = 0
+    verify_failures: int = 0
+    positives: int = 0
+    draft_hits: int = 0
+    finish_reason: str = ""       # "stop" (EOS or a stop string), "length", "interrupted"
+    exit_layers: list[int | None] = field(default_factory=list)
+    time_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("draft", "forward", "predictor", "verify", "sample"), 0.0))
+
+    def add(self, record: TokenRecord) -> None:
+        self.n_decode += 1
+        self.exit_layers.append(record.exit_layer)
+        if record.exit_layer is not None:
+            self.exits += 1
+        self.exit_layer_sum += self.n_layer - 1 if record.exit_layer is None else record.exit_layer
+        self.probes += record.probes
+        self.verify_failures += record.verify_failures
+        self.positives += record.verify_failures + (record.exit_layer is not None)
+        self.draft_hits += bool(record.draft_hit)
+        for key in self.time_ms:
+            self.time_ms[key] += getattr(record, f"{key}_ms")
+
+    @property
+    def prompt_tok_s(self) -> float:
+        return self.n_prompt / self.prompt_s if self.prompt_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.n_decode / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def avg_exit_layer(self) -> float:
+        return self.exit_layer_sum / self.n_decode if self.n_decode else float(self.n_layer - 1)
+
+    @property
+    def exit_rate(self) -> float:
+        return self.exits / self.n_decode if self.n_decode else 0.0
+
+    @property
+    def predictor_calls_per_token(self) -> float:
+        return self.probes / self.n_decode if self.n_decode else 0.0
+
+    @property
+    def verify_fail_rate(self) -> float:
+        """Share of positive predictions that verification rejected."""
+        return self.verify_failures / self.positives if self.positives else 0.0
+
+    @property
+    def draft_recall_at_k(self) -> float:
+        return self.draft_hits / self.n_decode if self.n_decode and self.early_exit else 0.0
+
+    def summary(self) -> dict:
+        """The SPEC.md §5 names plus counts and the per-token time split (ms per token)."""
+        per_token = {k: v / self.n_decode for k, v in self.time_ms.items()} if self.n_decode else dict(self.time_ms)
+        out = {k: v for k, v in asdict(self).items() if k not in ("exit_layers", "time_ms")}
+        out.update(
+            prompt_tok_s=self.prompt_tok_s,
+            decode_tok_s=self.decode_tok_s,
+            avg_exit_layer=self.avg_exit_layer,
+            exit_rate=self.exit_rate,
+            predictor_calls_per_token=self.predictor_calls_per_token,
+            verify_fail_rate=self.verify_fail_rate,
+            draft_recall_at_k=self.draft_recall_at_k,
+            ms_per_token=per_token,
+        )
+        return out

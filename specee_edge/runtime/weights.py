@@ -1,0 +1,65 @@
+"""The few target-model tensors that live outside llama.cpp's graph: token embeddings, final norm, LM head.
+
+Read from the model GGUF with gguf-py's memory map and dequantized on demand, so the draft head can
+look up one embedding row per token without loading the whole table.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from specee_edge.errors import ModelLoadError
+from specee_edge.pack.target import field_value, open_gguf
+
+
+class TargetWeights:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._reader = open_gguf(self.path)
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        arch = field_value(self._reader, "general.architecture")
+        self.rms_eps = float(field_value(self._reader, f"{arch}.attention.layer_norm_rms_epsilon") or 1e-6)
+        self._embd = self._tensor("token_embd.weight")
+        # a tied LM head has no output.weight: it reads the embedding table
+        self._head = self._tensors.get("output.weight", self._embd)
+
+    def _tensor(self, name: str):
+        if name not in self._tensors:
+            raise ModelLoadError(f"{self.path.name} has no tensor {name}")
+        return self._tensors[name]
+
+    @staticmethod
+    def _rows(tensor, ids: np.ndarray) -> np.ndarray:
+        data = tensor.data[np.asarray(ids, dtype=np.int64)]
+        return np.asarray(gguf.quants.dequantize(data, tensor.tensor_type), dtype=np.float32).reshape(len(ids), -1)
+
+    def embeddings(self, ids) -> np.ndarray:
+        """[len(ids), n_embd] token embeddings."""
+        return self._rows(self._embd, np.atleast_1d(ids))
+
+    def head_rows(self, ids) -> np.ndarray:
+        """[len(ids), n_embd] rows of the LM head."""
+        return self._rows(self._head, np.atleast_1d(ids))
+
+    @cached_property
+    def lm_head(self) -> np.ndarray:
+        """The whole LM head [n_vocab, n_embd] in float32 (calibration only: it is large)."""
+        return self._rows(self._head, np.arange(self._head.data.shape[0]))
+
+    @cached_property
+    def output_norm(self) -> np.ndarray:
+        t = self._tensor("output_norm.weight")
+        return np.asarray(t.data, dtype=np.float32).reshape(-1)
+
+    def final_norm(self, hidden: np.ndarray) -> np.ndarray:
+        """The model's final RMS norm over the last axis."""
+        return final_norm(hidden, self.output_norm, self.rms_eps)
+
+
+def final_norm(hidden: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
+    h = np.asarray(hidden, dtype=np.float32)
+    return h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * gamma
