@@ -1,0 +1,90 @@
+"""Stage 2: the collected answers as training rows, with every layer's logit-lens top-1.
+
+Row s is one decoding step: it feeds token y_s and must produce y_{s+1}. Its hidden states are the
+full model's h_s at every layer; the draft's input is y_s and h_{s-1}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specee_edge.calibrate.collect import Shard
+from specee_edge.runtime.weights import TargetWeights
+
+LENS_ROWS = 512  # rows per lens matmul: [rows, n_vocab] float32 stays near 100 MB
+
+
+@dataclass
+class Dataset:
+    prompt: np.ndarray        # int32 [N]: which prompt (shard) the row belongs to
+    token: np.ndarray         # int32 [N]: y_s
+    hidden: np.ndarray        # float16 [N, n_layer, n_embd]: h_s
+    prev_final: np.ndarray    # float16 [N, n_embd]: h_{s-1} at the last layer
+    prev_exit: np.ndarray     # float16 [N, n_embd]: h_{s-1} at its oracle exit layer (the last for a prompt position)
+    top1: np.ndarray          # int32 [N, n_layer]: logit-lens top-1 of h_s at each layer
+    decode_ms: float          # mean single-token forward of the target while collecting
+
+    @property
+    def n_layer(self) -> int:
+        return self.hidden.shape[1]
+
+    @property
+    def final(self) -> np.ndarray:
+        """The full model's top-1 (what every exit must agree with)."""
+        return self.top1[:, -1]
+
+    def oracle_exit(self) -> np.ndarray:
+        """Earliest layer whose top-1 equals the final top-1."""
+        return np.argmax(self.top1 == self.final[:, None], axis=1)
+
+    def rows(self, prompts: np.ndarray) -> np.ndarray:
+        return np.flatnonzero(np.isin(self.prompt, prompts))
+
+
+def lens_top1(hidden: np.ndarray, weights: TargetWeights, progress: Callable[[int], None] = lambda n: None) -> np.ndarray:
+    """argmax over the vocabulary of final_norm(h) through the LM head, for [..., n_embd] hidden states."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    out = np.empty(len(flat), dtype=np.int32)
+    head_t = np.ascontiguousarray(weights.lm_head.T)
+    for i in range(0, len(flat), LENS_ROWS):
+        chunk = weights.final_norm(flat[i : i + LENS_ROWS].astype(np.float32))
+        out[i : i + LENS_ROWS] = np.argmax(chunk @ head_t, axis=1)
+        progress(len(chunk))
+    return out.reshape(hidden.shape[:-1])
+
+
+def build(shards: list[Shard], weights: TargetWeights, progress: Callable[[int], None] = lambda n: None) -> Dataset:
+    """Rows from every shard; the lens runs over all hidden states (calls progress per row of [layers])."""
+    parts: dict[str, list] = {k: [] for k in ("prompt", "token", "hidden", "prev_final", "prev_exit", "top1")}
+    n_layer = shards[0].hidden.shape[1]
+    for index, shard in enumerate(shards):
+        # shard.hidden row j is position start - 1 + j; rows 1.. are steps s = start .. len-2
+        top1 = lens_top1(shard.hidden, weights, lambda n: progress(n / n_layer))
+        oracle = np.argmax(top1 == top1[:, -1:], axis=1)
+        oracle[0] = n_layer - 1  # the prompt position never exits
+        n = len(shard.hidden) - 1
+        positions = np.arange(shard.start, shard.start + n)
+        parts["prompt"].append(np.full(n, index, dtype=np.int32))
+        parts["token"].append(shard.tokens[positions])
+        parts["hidden"].append(shard.hidden[1:])
+        parts["prev_final"].append(shard.hidden[:-1, -1])
+        parts["prev_exit"].append(shard.hidden[np.arange(n), oracle[:-1]])
+        parts["top1"].append(top1[1:])
+    arrays = {k: np.concatenate(v) for k, v in parts.items()}
+    decode_ms = float(np.mean([s.decode_ms for s in shards if s.decode_ms > 0] or [0.0]))
+    return Dataset(**arrays, decode_ms=decode_ms)
+
+
+def save(dataset: Dataset, path: Path) -> None:
+    tmp = path.with_name(path.stem + ".tmp.npz")
+    np.savez(tmp, **{k: getattr(dataset, k) for k in Dataset.__dataclass_fields__})
+    tmp.replace(path)
+
+
+def load(path: Path) -> Dataset:
+    with np.load(path) as z:
+        return Dataset(**{k: z[k] for k in Dataset.__dataclass_fields__ if k != "decode_ms"}, decode_ms=float(z["decode_ms"]))

@@ -1,0 +1,176 @@
+"""Stage 4: per-layer exit predictors, their thresholds, the offline schedule, and a simulation.
+
+Features are computed by predictor.features.probe_features, the code the engine runs, on the draft's
+candidates read through each layer's final-normed hidden state. The delta feature is taken against
+a randomly chosen earlier layer (or none), as the online schedule leaves gaps of varying size.
+
+Label of (step, layer): the layer's top-1 equals the final top-1 and is among the candidates.
+Thresholds are set per layer, in layer order, on a calibration split the MLPs never saw: the lowest
+threshold at which the exits this layer would add (after verification, among steps no earlier layer
+took) are correct at the requested quality, counting one extra error as a safety margin.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.neural_network import MLPClassifier
+
+from specee_edge.calibrate.dataset import Dataset
+from specee_edge.draft import LinearDraft
+from specee_edge.pack.format import Schedule
+from specee_edge.predictor import MLPPredictor
+from specee_edge.predictor.features import candidate_probs, probe_features
+from specee_edge.predictor.schedule import OnlineSchedule
+from specee_edge.runtime.weights import TargetWeights
+
+GAPS = (0, 1, 2, 3, 4)  # 0: the first checked layer of a token (no previous probs)
+MIN_POSITIVES = 10
+THRESHOLDS = np.round(np.arange(0.05, 1.0, 0.01), 2)
+OFFLINE_COVERAGE = 0.8
+
+
+@dataclass
+class Probes:
+    """Per step: the draft's candidates and every layer's candidate logits."""
+
+    candidates: np.ndarray  # int [N, k]
+    logits: np.ndarray      # float32 [N, n_layer, k]
+    label: np.ndarray       # bool [N, n_layer]
+    verified: np.ndarray    # bool [N, n_layer]: the layer's top-1 is a candidate (verification passes)
+    correct: np.ndarray     # bool [N, n_layer]: the layer's top-1 is the final top-1
+
+
+def probe_all(ds: Dataset, draft: LinearDraft, weights: TargetWeights) -> Probes:
+    emb = weights.embeddings(ds.token)
+    candidates = draft.top_k(draft.scores(emb, ds.prev_final.astype(np.float32)))
+    rows = weights.lm_head[candidates]  # [N, k, n_embd]
+    logits = np.empty((len(ds.token), ds.n_layer, draft.k), dtype=np.float32)
+    for il in range(ds.n_layer):
+        logits[:, il] = np.einsum("nd,nkd->nk", weights.final_norm(ds.hidden[:, il].astype(np.float32)), rows)
+    verified = (ds.top1[:, :, None] == candidates[:, None, :]).any(axis=2)
+    correct = ds.top1 == ds.final[:, None]
+    return Probes(candidates, logits, verified & correct, verified, correct)
+
+
+def layer_features(probes: Probes, rows: np.ndarray, layer: int, gaps: np.ndarray) -> np.ndarray:
+    """Features of `layer` for `rows`, each against the layer `gap` below it (gap 0: no previous check)."""
+    prev_layer = layer - gaps
+    has_prev = ((gaps > 0) & (prev_layer >= 0))[:, None]
+    prev_probs = candidate_probs(probes.logits[rows, np.maximum(prev_layer, 0)])
+    # zeros as the previous probs make the delta equal p, exactly as at a token's first check
+    return probe_features(probes.logits[rows, layer], np.where(has_prev, prev_probs, np.float32(0)))[0]
+
+
+def train_predictors(probes: Probes, train: np.ndarray, *, hidden: int, seed: int,
+                     progress: Callable[[int], None] = lambda il: None) -> dict[int, MLPPredictor]:
+    """One MLP per layer below the last with enough positive steps."""
+    rng = np.random.default_rng(seed)
+    predictors = {}
+    for il in range(probes.logits.shape[1] - 1):
+        y = probes.label[train, il]
+        if y.sum() >= MIN_POSITIVES and (~y).sum() >= MIN_POSITIVES:
+            x = layer_features(probes, train, il, rng.choice(GAPS, len(train)))
+            predictors[il] = fit_mlp(x, y, hidden=hidden, seed=seed)
+        progress(il)
+    return predictors
+
+
+def fit_mlp(x: np.ndarray, y: np.ndarray, *, hidden: int, seed: int) -> MLPPredictor:
+    """scikit-learn's MLP on standardized features, the scaling folded into the first layer."""
+    mean, std = x.mean(axis=0), x.std(axis=0) + 1e-6
+    clf = MLPClassifier(hidden_layer_sizes=(hidden,), learning_rate_init=1e-3, batch_size=min(1024, len(x)),
+                        max_iter=100, early_stopping=True, n_iter_no_change=8, random_state=seed)
+    with warnings.catch_warnings():  # early stopping ends most fits before max_iter: not a failure
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        clf.fit((x - mean) / std, y)
+    w0 = clf.coefs_[0].T / std  # [hidden, n_in]
+    b0 = clf.intercepts_[0] - w0 @ mean
+    weights = [w0, *(w.T for w in clf.coefs_[1:])]
+    biases = [b0, *clf.intercepts_[1:]]
+    return MLPPredictor([np.asarray(w, np.float32) for w in weights], [np.asarray(b, np.float32) for b in biases])
+
+
+def set_thresholds(probes: Probes, predictors: dict[int, MLPPredictor], rows: np.ndarray, quality: float) -> dict[int, float]:
+    """Per layer, in order, among steps no earlier layer took (all predictor layers checked)."""
+    open_rows = np.ones(len(rows), dtype=bool)
+    prev_probs = None
+    thresholds = {}
+    for il in sorted(predictors):
+        features, probs = probe_features(probes.logits[rows, il], prev_probs)
+        prev_probs = probs
+        p = predictors[il](features)
+        verified, correct = probes.verified[rows, il] & open_rows, probes.correct[rows, il]
+        chosen = 1.0
+        for t in THRESHOLDS:
+            exits = verified & (p > t)
+            n = int(exits.sum())
+            if n and (correct[exits].sum()) / (n + 1) >= quality:
+                chosen = float(t)
+                break
+        thresholds[il] = chosen
+        open_rows &= ~(verified & (p > chosen))
+    return thresholds
+
+
+@dataclass
+class Simulation:
+    """The engine's decisions replayed on held-out steps, with K/V exact."""
+
+    n_steps: int
+    exit_layers: list[int | None]
+    agreement: float
+    predictor_calls_per_token: float
+    verify_fail_rate: float
+    layer_hits: Counter = field(default_factory=Counter)
+
+    def avg_exit_layer(self, n_layer: int) -> float:
+        return float(np.mean([n_layer - 1 if e is None else e for e in self.exit_layers]))
+
+    @property
+    def exit_rate(self) -> float:
+        return float(np.mean([e is not None for e in self.exit_layers]))
+
+
+def simulate(ds: Dataset, probes: Probes, predictors: dict[int, MLPPredictor], thresholds: dict[int, float],
+             rows: np.ndarray, schedule: Schedule | None) -> Simulation:
+    """Replay steps prompt by prompt; schedule None checks every predictor layer."""
+    layers_all = sorted(il for il in predictors if thresholds[il] < 1.0)
+    exit_layers, correct, calls, positives, failures = [], 0, 0, 0, 0
+    for prompt in np.unique(ds.prompt[rows]):
+        online = OnlineSchedule(schedule, set(layers_all)) if schedule else None
+        for row in rows[ds.prompt[rows] == prompt]:
+            prev_probs, exit_layer = None, None
+            for il in online.layers() if online else layers_all:
+                features, prev_probs = probe_features(probes.logits[row, il], prev_probs)
+                calls += 1
+                if predictors[il](features) > thresholds[il]:
+                    positives += 1
+                    if probes.verified[row, il]:
+                        exit_layer = il
+                        break
+                    failures += 1
+            if online:
+                online.record_exit(exit_layer)
+            exit_layers.append(exit_layer)
+            correct += exit_layer is None or bool(probes.correct[row, exit_layer])
+    n = len(exit_layers)
+    return Simulation(n, exit_layers, correct / n, calls / n, failures / positives if positives else 0.0,
+                      Counter(e for e in exit_layers if e is not None))
+
+
+def offline_layers(sim: Simulation, n_layer: int) -> list[int]:
+    """The fewest most-frequent exit layers that cover OFFLINE_COVERAGE of the exits, at most n_layer // 4."""
+    total = sum(sim.layer_hits.values())
+    chosen, covered = [], 0
+    for il, hits in sim.layer_hits.most_common(max(1, n_layer // 4)):
+        if total and covered >= OFFLINE_COVERAGE * total:
+            break
+        chosen.append(il)
+        covered += hits
+    return sorted(chosen)

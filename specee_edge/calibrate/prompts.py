@@ -1,0 +1,65 @@
+"""Prompt sets: the built-in ones shipped in specee_edge/data, or a user's JSONL file."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+
+import numpy as np
+
+from specee_edge.errors import SpecEEError
+
+
+@dataclass(frozen=True)
+class Prompt:
+    category: str
+    text: str
+
+
+def _read_jsonl(text: str, source: str, key: str) -> list[Prompt]:
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompts.append(Prompt(str(row.get(key, "custom")), str(row["prompt"])))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise SpecEEError(f"{source}:{n}: expected a JSON object with a \"prompt\" string") from None
+    if not prompts:
+        raise SpecEEError(f"{source} holds no prompts")
+    return prompts
+
+
+def load_prompts(path: str | Path | None = None) -> list[Prompt]:
+    """The built-in calibration prompts, or `path` (JSONL: {"prompt": ..., "category": optional})."""
+    if path is None:
+        return _read_jsonl(files("specee_edge.data").joinpath("calibrate_prompts.jsonl").read_text(), "calibrate_prompts.jsonl", "category")
+    path = Path(path)
+    if not path.is_file():
+        raise SpecEEError(f"prompt file not found: {path}")
+    return _read_jsonl(path.read_text(encoding="utf-8"), str(path), "category")
+
+
+def bench_prompts(name_or_path: str) -> list[Prompt]:
+    """A built-in bench set (chat, code, math, summarize, or all) or a JSONL file."""
+    if Path(name_or_path).suffix == ".jsonl":
+        return load_prompts(name_or_path)
+    rows = _read_jsonl(files("specee_edge.data").joinpath("bench_prompts.jsonl").read_text(), "bench_prompts.jsonl", "set")
+    sets = sorted({p.category for p in rows})
+    if name_or_path != "all" and name_or_path not in sets:
+        raise SpecEEError(f"unknown prompt set {name_or_path!r}: choose {', '.join(sets)}, all, or a .jsonl file")
+    return [p for p in rows if name_or_path in ("all", p.category)]
+
+
+def heldout_text() -> str:
+    return files("specee_edge.data").joinpath("heldout.txt").read_text()
+
+
+def split(n: int, seed: int, fractions: tuple[float, ...]) -> list[np.ndarray]:
+    """Shuffle range(n) and cut it into consecutive parts of the given fractions (the last takes the rest)."""
+    order = np.random.default_rng(seed).permutation(n)
+    cuts = np.cumsum([round(f * n) for f in fractions[:-1]])
+    return np.split(order, cuts)

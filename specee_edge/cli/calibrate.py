@@ -1,0 +1,50 @@
+"""`specee-edge calibrate`: train a pack for a model."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from specee_edge.cli.app import app, console, err_console, fail
+from specee_edge.errors import SpecEEError
+
+
+@app.command()
+def calibrate(
+    model: Annotated[str, typer.Argument(help="model GGUF (or a registry name from `specee-edge pull --list`)")],
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="pack to write [default: MODEL.specee.gguf beside the model]")] = None,
+    tokens: Annotated[int, typer.Option("--tokens", help="answer tokens to collect")] = 16000,
+    prompts: Annotated[Path | None, typer.Option("--prompts", help="JSONL prompts ({\"prompt\": ...}) instead of the built-in set")] = None,
+    k: Annotated[int, typer.Option("--k", help="draft candidates per token")] = 4,
+    threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads")] = None,
+    seed: Annotated[int, typer.Option("-s", "--seed", help="seed of the splits and the MLPs")] = 0,
+    quality: Annotated[float, typer.Option("--quality", help="precision every layer's exits must reach on held-out answers")] = 0.99,
+    draft_vocab: Annotated[int, typer.Option("--draft-vocab", help="tokens the draft head scores")] = 4096,
+    max_answer: Annotated[int, typer.Option("--max-answer", help="tokens per answer")] = 256,
+    work_dir: Annotated[Path | None, typer.Option("--work-dir", help="keeps each stage's results, so a rerun resumes")] = None,
+) -> None:
+    """Calibrate a pack for MODEL: its own answers, a draft head, per-layer predictors and a schedule."""
+    from specee_edge.calibrate import CalibrateConfig
+    from specee_edge.calibrate import calibrate as run_calibration
+    from specee_edge.engine.engine import default_threads
+    from specee_edge.engine.exit import PACK_SUFFIX
+    from specee_edge.pull import resolve_model
+
+    try:
+        model_path = resolve_model(model)
+        if not 1 <= k <= 8 or not 0.5 < quality < 1.0 or tokens < 1 or draft_vocab < k:
+            raise SpecEEError("need 1 <= --k <= 8, 0.5 < --quality < 1, --tokens >= 1 and --draft-vocab >= --k")
+        output = output or model_path.with_name(model_path.name.removesuffix(".gguf") + PACK_SUFFIX)
+        config = CalibrateConfig(
+            model=model_path, output=output, workdir=work_dir, tokens=tokens, prompts=prompts, k=k,
+            threads=threads or default_threads(), seed=seed, max_answer=max_answer, draft_vocab=draft_vocab,
+            quality=quality, command=" ".join(["specee-edge", *sys.argv[1:]]),
+        )
+        report = run_calibration(config, err_console)
+    except SpecEEError as e:
+        raise fail(e) from None
+    console.print(report.render())
+    console.print(f"wrote {output}")
