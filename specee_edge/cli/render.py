@@ -1,0 +1,146 @@
+"""What chat and generate show: the footer line, the /stats table, exit-depth colours, /show info."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from specee_edge.engine import Engine, GenerationStats, SamplingParams, TokenRecord
+
+# Exit-depth colours, shallow to deep: (share of the last layer index reached, style).
+DEPTH_STYLES: tuple[tuple[float, str], ...] = ((0.5, "bold green"), (0.67, "cyan"), (0.83, "yellow"), (1.0, "magenta"))
+
+
+def footer(stats: GenerationStats) -> str:
+    """One line after each reply: prompt t/s, generation t/s, avg exit layer, exit %."""
+    parts = [f"prompt {stats.prompt_tok_s:.1f} t/s", f"generation {stats.decode_tok_s:.1f} t/s"]
+    if stats.early_exit:
+        parts += [f"avg exit layer {stats.avg_exit_layer:.1f}/{stats.n_layer - 1}", f"exit {stats.exit_rate:.0%}"]
+    else:
+        parts.append("early exit off")
+    return "[ " + " | ".join(parts) + " ]"
+
+
+def exit_histogram(stats: GenerationStats) -> str:
+    counts = Counter("full" if layer is None else layer for layer in stats.exit_layers)
+    layers = sorted(k for k in counts if k != "full")
+    cells = [f"{layer}×{counts[layer]}" for layer in layers] + ([f"full×{counts['full']}"] if "full" in counts else [])
+    return " ".join(cells) or "-"
+
+
+def stats_table(stats: GenerationStats) -> Table:
+    """/stats and --verbose: the last reply in detail (SPEC.md §5 names)."""
+    s = stats.summary()
+    rows = [
+        ("tokens", f"{s['n_prompt']} prompt, {s['n_decode']} decoded"),
+        ("prompt", f"{s['prompt_tok_s']:.1f} t/s ({s['prompt_s'] * 1e3:.0f} ms)"),
+        ("generation", f"{s['decode_tok_s']:.1f} t/s ({s['decode_s'] * 1e3:.0f} ms for {s['n_decode']} tokens)"),
+        ("finish_reason", s["finish_reason"] or "-"),
+        ("early exit", "on" if s["early_exit"] else "off"),
+    ]
+    if s["early_exit"]:
+        rows += [
+            ("avg_exit_layer", f"{s['avg_exit_layer']:.2f} (0-based; {stats.n_layer - 1} = every layer)"),
+            ("exit_rate", f"{s['exit_rate']:.1%} ({s['exits']} of {s['n_decode']})"),
+            ("predictor_calls_per_token", f"{s['predictor_calls_per_token']:.2f}"),
+            ("verify_fail_rate", f"{s['verify_fail_rate']:.1%} ({s['verify_failures']} of {s['positives']} positives)"),
+            ("draft_recall@k", f"{s['draft_recall_at_k']:.1%}"),
+            ("exit layers", exit_histogram(stats)),
+        ]
+    rows.append(("ms per token", ", ".join(f"{k} {v:.2f}" for k, v in s["ms_per_token"].items())))
+    return _kv_table("last reply", rows)
+
+
+def depth_style(exit_layer: int | None, n_layer: int) -> str:
+    """The colour of a token that left after `exit_layer` (None: it ran every layer, plain)."""
+    if exit_layer is None:
+        return ""
+    share = exit_layer / max(1, n_layer - 1)
+    return next((style for limit, style in DEPTH_STYLES if share <= limit), DEPTH_STYLES[-1][1])
+
+
+def depth_legend(n_layer: int) -> Text:
+    """The layer range of each colour, e.g. `exit depth: 0-14 15-19 20-24 25-28 full`."""
+    last = n_layer - 1
+    legend = Text("exit depth: ")
+    low = 0
+    for limit, style in DEPTH_STYLES:
+        high = min(int(limit * last), last - 1)
+        if high >= low:
+            legend.append(f"{low}-{high}" if high > low else f"{low}", style=style)
+            legend.append(" ")
+        low = high + 1
+    legend.append(f"full ({last})")
+    return legend
+
+
+@dataclass
+class TokenPrinter:
+    """Streams a reply's pieces to a rich console; with colours, each piece in its exit depth's style."""
+
+    console: Console
+    n_layer: int
+    color_exits: bool = False
+
+    def __call__(self, record: TokenRecord) -> None:
+        if not record.text:
+            return
+        style = depth_style(record.exit_layer, self.n_layer) if self.color_exits else ""
+        self.console.print(Text(record.text, style=style), end="", soft_wrap=True, highlight=False)
+
+
+def engine_info(engine: Engine, sampling: SamplingParams, max_tokens: int, system: str | None) -> Group:
+    """/show info: model, pack, schedule, engine settings and sampling."""
+    info = engine.model.info
+    rows = [
+        ("model", f"{info.path.name} ({info.arch}, {info.n_layer} layers, n_embd {info.n_embd}, vocab {info.n_vocab})"),
+        ("model path", str(info.path)),
+    ]
+    policy = engine.policy
+    if policy is None:
+        rows.append(("pack", "none (early exit off)"))
+    else:
+        pack = policy.pack
+        rows += [
+            ("pack", str(policy.pack_path)),
+            ("candidates (k)", str(pack.k)),
+            ("predictor layers", ", ".join(map(str, sorted(pack.predictors))) or "none"),
+            ("offline schedule", ", ".join(map(str, pack.schedule.offline)) or "none"),
+            ("online schedule", f"offsets {pack.schedule.offsets} around each of the last {pack.schedule.window} exits"),
+            ("thresholds", _thresholds_text(sorted(set(policy.thresholds.values())))),
+        ]
+        provenance = pack.provenance
+        if provenance:
+            labels = {"created": "pack created", "command": "made with", "predictor": "predictors", "draft": "draft"}
+            rows += [(label, str(provenance[key])) for key, label in labels.items() if key in provenance]
+    config = engine.config
+    rows += [
+        ("early exit", ("on" if engine.early_exit else "off") + f", kv mode {config.kv_mode}"),
+        ("context", f"{engine.ctx.n_ctx} tokens, {engine.ctx.n_past} in use; {config.n_threads} threads, {config.n_gpu_layers} GPU layers"),
+        ("sampling", f"temp {sampling.temperature:g}, top_k {sampling.top_k}, top_p {sampling.top_p:g}, min_p {sampling.min_p:g}, "
+                     f"repeat_penalty {sampling.repeat_penalty:g}, seed {'random' if sampling.seed is None else sampling.seed}, "
+                     f"n_predict {max_tokens}"),
+        ("system prompt", system if system is not None else "(the chat template's default)"),
+    ]
+    return Group(_kv_table("info", rows))
+
+
+def _thresholds_text(thresholds: list[float]) -> str:
+    if not thresholds:
+        return "none (no predictors)"
+    if len(thresholds) == 1:
+        return f"{thresholds[0]:g}"
+    return f"{thresholds[0]:g} to {thresholds[-1]:g} (per layer)"
+
+
+def _kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left", box=None, padding=(0, 2, 0, 0))
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
