@@ -14,10 +14,11 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from specee_edge.cli.render import TokenPrinter, depth_legend, engine_info, footer, stats_table
 from specee_edge.engine import Engine, GenerationStats, SamplingParams
-from specee_edge.errors import SpecEEError
+from specee_edge.errors import ContextFullError, SpecEEError
 
 try:  # arrow-key editing and history; absent on some platforms (the REPL works without it)
     import readline
@@ -197,7 +198,8 @@ class Repl:
         if text and not text.endswith("\n"):
             self.console.print()
         if error is not None:
-            self.error(str(error))
+            hint = "; /clear starts over" if isinstance(error, ContextFullError) and len(self.messages) > 1 else ""
+            self.error(f"{error}{hint}")
         if not text:
             if interrupted:
                 self.console.print("[interrupted before the reply began]", style="dim", markup=False, highlight=False)
@@ -218,7 +220,7 @@ class Repl:
             self.console.print(stats_table(stats))
 
     def error(self, message: str) -> None:
-        self.err_console.print(f"[red]error:[/red] {message}", highlight=False)
+        self.err_console.print(Text.assemble(("error:", "red"), f" {message}"), highlight=False, soft_wrap=True)
 
     # --- slash commands ----------------------------------------------------------------------
 
