@@ -94,6 +94,14 @@ class Terminal:
         raise AssertionError(f"still running; last output: {self.text[-500:]!r}")
 
 
+@pytest.fixture(scope="module")
+def bare_model(tmp_path_factory) -> str:
+    """The default model under a name with no pack: early exit off, and no pack to load (seconds saved)."""
+    path = tmp_path_factory.mktemp("bare") / "SmolLM2-135M-Instruct.Q4_1-nopack.gguf"
+    path.symlink_to(default_model_path())
+    return str(path)
+
+
 @pytest.fixture
 def env(tmp_path) -> dict[str, str]:
     # the history file goes to tmp_path; rich lays tables out 160 wide, as on the pty
@@ -106,9 +114,9 @@ def run_cli(*args: str, env: dict[str, str], stdin: str = "") -> subprocess.Comp
 
 # --- the REPL on a terminal --------------------------------------------------------------------
 
-def test_repl_session(env):
-    term = Terminal([CLI, "chat", "-n", "12", "-t", "1", "-s", "3"], env)  # llama.cpp's default sampling, seeded
-    term.expect(r"specee-edge chat · SmolLM2-135M-Instruct\.Q4_1\.gguf \(llama, 30 layers")
+def test_repl_session(env, bare_model):
+    term = Terminal([CLI, "chat", bare_model, "-n", "12", "-t", "1", "-s", "3"], env)  # llama.cpp's default sampling, seeded
+    term.expect(r"specee-edge chat · SmolLM2-135M-Instruct\.Q4_1-nopack\.gguf \(llama, 30 layers")
     term.line("What is the capital of France?")
     answer = term.expect(r"France\?\n(.+)\n" + FOOTER).group(1)
     assert answer.strip()
@@ -141,8 +149,8 @@ def test_repl_session(env):
     assert term.exit_code() == 0
 
 
-def test_repl_multiline_history_and_exits(env):
-    term = Terminal([CLI, "chat", "-n", "6", *FAST], env)
+def test_repl_multiline_history_and_exits(env, bare_model):
+    term = Terminal([CLI, "chat", "-n", "6", *FAST, "-m", bare_model], env)
     term.line('"""Say hello')
     term.expect(r"\.\.\. ")
     term.send('to me."""\r')
@@ -161,12 +169,10 @@ def test_repl_multiline_history_and_exits(env):
     assert (Path(env["SPECEE_CACHE"]) / "chat_history").is_file()
 
 
-def test_repl_ctrl_d_and_no_pack_notice(env, tmp_path):
-    model = tmp_path / "copy.gguf"  # no pack beside it, none shipped under this name
-    model.symlink_to(default_model_path())
-    term = Terminal([CLI, "chat", "-m", str(model), *FAST], env)
-    term.expect(rf"early exit off: no pack for {re.escape(str(model))}; make one with `specee-edge calibrate "
-                rf"{re.escape(str(model))}`")
+def test_repl_ctrl_d_and_no_pack_notice(env, bare_model):
+    term = Terminal([CLI, "chat", "-m", bare_model, *FAST], env)
+    model = re.escape(bare_model)
+    term.expect(rf"early exit off: no pack for {model}; make one with `specee-edge calibrate {model}`")
     term.prompt()
     term.send("\x04")
     assert term.exit_code() == 0
@@ -246,8 +252,8 @@ def test_regen_without_a_reply(engine):
 
 # --- generate ----------------------------------------------------------------------------------
 
-def test_generate_json(env):
-    result = run_cli("generate", "-p", "What is 2+2?", "-n", "8", *FAST, "--json", env=env)
+def test_generate_json(env, bare_model):
+    result = run_cli("generate", bare_model, "-p", "What is 2+2?", "-n", "8", *FAST, "--json", env=env)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert isinstance(out["text"], str) and out["text"]
@@ -257,10 +263,10 @@ def test_generate_json(env):
     assert out["stats"]["finish_reason"] in ("length", "stop")
 
 
-def test_generate_plain_text_to_stdout_stats_to_stderr(env, tmp_path):
+def test_generate_plain_text_to_stdout_stats_to_stderr(env, tmp_path, bare_model):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Name a colour.")
-    result = run_cli("generate", "-f", str(prompt), "-n", "6", *FAST, env=env)
+    result = run_cli("generate", "-m", bare_model, "-f", str(prompt), "-n", "6", *FAST, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() and "t/s" not in result.stdout and "\x1b" not in result.stdout
     assert re.search(FOOTER, result.stderr)
