@@ -36,7 +36,7 @@ def summarize(path: Path) -> Group:
 def _model_summary(path: Path, reader) -> Group:
     from specee_edge.runtime import Model  # loads llama.cpp only for models
 
-    identity = target_identity(path)
+    identity = target_identity(path, reader)
     types = Counter(t.tensor_type.name for t in reader.tensors)
     n_params = sum(int(t.n_elements) for t in reader.tensors)
     supported = Model(path).info.supports_early_exit

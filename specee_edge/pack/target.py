@@ -1,15 +1,13 @@
-"""A model GGUF's identity, read from its header with gguf-py (no weights loaded)."""
+"""A model GGUF's identity, read from its header with the lean `GGUFIndex` (no weights loaded)."""
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
-import gguf
-
 from specee_edge.errors import ModelLoadError, SpecEEError
 from specee_edge.pack.format import TargetIdentity
-from specee_edge.runtime.model import check_gguf_file
+from specee_edge.runtime.gguf_index import GGUFIndex
 
 FINGERPRINT_DATA_BYTES = 1 << 20  # the header plus this much tensor data: cheap, and unique in practice
 
@@ -18,22 +16,20 @@ class PackMismatchError(SpecEEError):
     """A pack made for another model."""
 
 
-def field_value(reader: gguf.GGUFReader, key: str):
-    field = reader.get_field(key)
-    return None if field is None else field.contents()
+def field_value(reader: GGUFIndex, key: str):
+    """A metadata value, None when missing (see `GGUFIndex.value`)."""
+    return reader.value(key)
 
 
-def open_gguf(path: Path) -> gguf.GGUFReader:
-    path = check_gguf_file(path)
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # gguf-py raises many kinds on a damaged file
-        raise ModelLoadError(f"cannot read {path}: corrupt or truncated GGUF ({type(e).__name__}: {e})") from None
+def open_gguf(path: Path) -> GGUFIndex:
+    """The file's header index (milliseconds); ModelLoadError for a missing, non-GGUF or damaged file."""
+    return GGUFIndex(path)
 
 
-def fingerprint(path: Path, reader: gguf.GGUFReader) -> str:
+def fingerprint(path: Path, reader: GGUFIndex) -> str:
     digest = hashlib.sha256()
     for t in reader.tensors:
+        # t.shape holds numpy uint64s, as gguf-py's ReaderTensor.shape did: their repr is part of the digest
         digest.update(f"{t.name}:{list(t.shape)}:{int(t.tensor_type)};".encode())
     with Path(path).open("rb") as f:
         f.seek(reader.data_offset)
@@ -41,19 +37,20 @@ def fingerprint(path: Path, reader: gguf.GGUFReader) -> str:
     return digest.hexdigest()
 
 
-def target_identity(path: Path) -> TargetIdentity:
-    reader = open_gguf(path)
+def target_identity(path: Path, reader: GGUFIndex | None = None) -> TargetIdentity:
+    """`reader`: the file already opened with `open_gguf` (saves reopening it)."""
+    reader = reader or open_gguf(path)
     arch = field_value(reader, "general.architecture")
     n_layer = field_value(reader, f"{arch}.block_count")
     n_embd = field_value(reader, f"{arch}.embedding_length")
-    tokens = reader.get_field("tokenizer.ggml.tokens")
-    if arch is None or n_layer is None or n_embd is None or tokens is None:
+    n_vocab = reader.array_len("tokenizer.ggml.tokens")
+    if arch is None or n_layer is None or n_embd is None or n_vocab is None:
         raise ModelLoadError(f"{path} is not a model GGUF (no architecture, layer count or vocabulary)")
     return TargetIdentity(
         arch=str(arch),
         n_layer=int(n_layer),
         n_embd=int(n_embd),
-        n_vocab=len(tokens.data),
+        n_vocab=n_vocab,
         fingerprint=fingerprint(path, reader),
     )
 

@@ -1,7 +1,7 @@
 """The few target-model tensors that live outside llama.cpp's graph: token embeddings, final norm, LM head.
 
-Read from the model GGUF with gguf-py's memory map and dequantized on demand, so the draft head can
-look up one embedding row per token without loading the whole table.
+Read from the model GGUF's memory map (through `GGUFIndex`) and dequantized on demand with gguf-py, so the
+draft head can look up one embedding row per token without loading the whole table.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from specee_edge.pack.target import field_value, open_gguf
 class TargetWeights:
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._reader = open_gguf(self.path)
-        self._tensors = {t.name: t for t in self._reader.tensors}
-        arch = field_value(self._reader, "general.architecture")
-        self.rms_eps = float(field_value(self._reader, f"{arch}.attention.layer_norm_rms_epsilon") or 1e-6)
+        self.reader = open_gguf(self.path)
+        self._tensors = {t.name: t for t in self.reader.tensors}
+        arch = field_value(self.reader, "general.architecture")
+        self.rms_eps = float(field_value(self.reader, f"{arch}.attention.layer_norm_rms_epsilon") or 1e-6)
         self._embd = self._tensor("token_embd.weight")
         # a tied LM head has no output.weight: it reads the embedding table
         self._head = self._tensors.get("output.weight", self._embd)
