@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+from threadpoolctl import threadpool_limits
 
 from specee_edge.default_model import default_model_path
 from specee_edge.engine.exit import ExitPolicy, find_pack
@@ -122,7 +123,9 @@ class Engine:
                stop: Sequence[str] = ()) -> Iterator[TokenRecord]:
         """Generate up to max_tokens after `prompt`, one record per token; self.stats follows along.
 
-        Closing the generator early (or Ctrl+C) leaves the engine consistent and usable.
+        Closing the generator early (or Ctrl+C) leaves the engine consistent and usable. numpy's BLAS
+        runs single-threaded meanwhile: its spinning worker threads would fight llama.cpp's OpenMP
+        threads for the cores (measured: up to 100x slower tokens on 2 cores).
         """
         sampling = sampling or SamplingParams()
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -133,6 +136,11 @@ class Engine:
                 f"the prompt ({len(tokens)} tokens) does not fit the context of {self.ctx.n_ctx}"
                 " (use a larger -c/--ctx-size or a shorter prompt)"
             )
+        with threadpool_limits(limits=1, user_api="blas"):
+            yield from self._stream(tokens, max_tokens, sampling, stop)
+
+    def _stream(self, tokens: list[int], max_tokens: int, sampling: SamplingParams,
+                stop: Sequence[str]) -> Iterator[TokenRecord]:
         rng = np.random.default_rng(sampling.seed)
         stats = self.stats = GenerationStats(self.n_layer, self.early_exit, n_prompt=len(tokens))
         stops = StopMatcher(stop)

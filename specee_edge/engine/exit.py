@@ -47,12 +47,13 @@ class ExitPolicy:
     @classmethod
     def load(cls, pack_path: Path, model_path: Path, *, threshold: float | None = None) -> ExitPolicy:
         pack = read_pack(pack_path)
-        check_target(pack.target, target_identity(model_path), pack_path, model_path)
+        weights = TargetWeights(model_path)
+        check_target(pack.target, target_identity(model_path, weights.reader), pack_path, model_path)
         if pack.draft is None:
             raise SpecEEError(f"{pack_path.name} has no draft head: the engine needs one to propose candidates")
         thresholds = {il: threshold if threshold is not None else pack.thresholds.get(il, pack.threshold)
                       for il in pack.predictors}
-        return cls(pack, pack_path, LinearDraft(pack.draft, TargetWeights(model_path), pack.k), pack.predictors,
+        return cls(pack, pack_path, LinearDraft(pack.draft, weights, pack.k), pack.predictors,
                    thresholds, OnlineSchedule(pack.schedule, set(pack.predictors)))
 
     @property

@@ -205,9 +205,12 @@ class Context:
         il = C["llama_specee_exit_layer"](self._ctx) if self.n_cand else -1
         return None if il < 0 else il
 
-    def logits(self) -> np.ndarray:
-        """Logits of the last decoded token (a view valid until the next decode)."""
-        ptr = _llama.llama_get_logits_ith(self._ctx, -1)
+    def logits(self, index: int = -1) -> np.ndarray:
+        """Logits of the last decoded token, or of the index-th token of an output_all decode (a view
+        valid until the next decode)."""
+        ptr = _llama.llama_get_logits_ith(self._ctx, index)
+        if not ptr:
+            raise SpecEEError(f"no logits for output {index} of the last decode")
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
     # --- hidden states (calibration) ---------------------------------------------------------

@@ -69,9 +69,13 @@ class Model:
         return self._model
 
     def meta(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(1024)
-        n = _llama.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
+        size = 1024
+        while True:  # like snprintf, it returns the full length: chat templates often exceed the first guess
+            buf = ctypes.create_string_buffer(size)
+            n = _llama.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+            if n < size:
+                return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
+            size = n + 1
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         data = text.encode("utf-8")
