@@ -7,6 +7,7 @@ interrupted run picks up where it stopped.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,17 +25,16 @@ class Shard:
     tokens: np.ndarray  # int32 [n_tokens]: prompt then answer
     start: int          # the last prompt position: the first whose next token is generated
     hidden: np.ndarray  # float16 [n_tokens - start, n_layer, n_embd]
-    decode_ms: float    # mean time of one single-token forward while answering
 
     def save(self, path: Path) -> None:
         tmp = path.with_name(path.stem + ".tmp.npz")
-        np.savez(tmp, tokens=self.tokens, start=self.start, hidden=self.hidden, decode_ms=self.decode_ms)
+        np.savez(tmp, tokens=self.tokens, start=self.start, hidden=self.hidden)
         tmp.replace(path)
 
     @classmethod
     def load(cls, path: Path) -> Shard:
         with np.load(path) as z:
-            return cls(z["tokens"], int(z["start"]), z["hidden"], float(z["decode_ms"]))
+            return cls(z["tokens"], int(z["start"]), z["hidden"])
 
 
 def shard_path(workdir: Path, index: int) -> Path:
@@ -63,10 +63,24 @@ class Collector:
         self.capture.clear()
         self.capture.decode(tokens[:-1], output_all=True)  # the last token's hidden state predicts nothing we keep
         hidden = np.stack([self.capture.captured(il)[start - 1 :] for il in range(self.n_layer)], axis=1)
-        stats = answer.stats
-        decode_ms = stats.decode_s / stats.n_decode * 1e3 if stats.n_decode else 0.0
-        return Shard(np.asarray(tokens, dtype=np.int32), start, hidden.astype(np.float16), decode_ms)
+        return Shard(np.asarray(tokens, dtype=np.int32), start, hidden.astype(np.float16))
 
     def close(self) -> None:
         self.capture.close()
         self.engine.close()
+
+
+def forward_ms(model_path: Path, n_threads: int, n: int = 32) -> float:
+    """Median time of one single-token forward of the target (the unit of the draft's cost)."""
+    engine = Engine(model_path, pack=None, config=EngineConfig(n_ctx=512, n_threads=n_threads))
+    try:
+        ctx = engine.ctx
+        ctx.decode(engine.tokenize("The draft head costs a share of this forward."))
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            ctx.decode([int(np.argmax(ctx.logits()))])
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times)) * 1e3
+    finally:
+        engine.close()

@@ -26,7 +26,6 @@ class Dataset:
     prev_final: np.ndarray    # float16 [N, n_embd]: h_{s-1} at the last layer
     prev_exit: np.ndarray     # float16 [N, n_embd]: h_{s-1} at its oracle exit layer (the last for a prompt position)
     top1: np.ndarray          # int32 [N, n_layer]: logit-lens top-1 of h_s at each layer
-    decode_ms: float          # mean single-token forward of the target while collecting
 
     @property
     def n_layer(self) -> int:
@@ -57,13 +56,17 @@ def lens_top1(hidden: np.ndarray, weights: TargetWeights, progress: Callable[[in
     return out.reshape(hidden.shape[:-1])
 
 
-def build(shards: list[Shard], weights: TargetWeights, progress: Callable[[int], None] = lambda n: None) -> Dataset:
-    """Rows from every shard; the lens runs over all hidden states (calls progress per row of [layers])."""
+def build(shards: list[Shard], weights: TargetWeights, first_layer: int = 0,
+          progress: Callable[[float], None] = lambda n: None) -> Dataset:
+    """Rows from every shard. The lens runs on layers >= first_layer (the others get top-1 -1: they
+    never exit), the costliest part of calibration; progress is called per position."""
     parts: dict[str, list] = {k: [] for k in ("prompt", "token", "hidden", "prev_final", "prev_exit", "top1")}
     n_layer = shards[0].hidden.shape[1]
+    n_lens = n_layer - first_layer
     for index, shard in enumerate(shards):
         # shard.hidden row j is position start - 1 + j; rows 1.. are steps s = start .. len-2
-        top1 = lens_top1(shard.hidden, weights, lambda n: progress(n / n_layer))
+        top1 = np.full(shard.hidden.shape[:2], -1, dtype=np.int32)
+        top1[:, first_layer:] = lens_top1(shard.hidden[:, first_layer:], weights, lambda n: progress(n / n_lens))
         oracle = np.argmax(top1 == top1[:, -1:], axis=1)
         oracle[0] = n_layer - 1  # the prompt position never exits
         n = len(shard.hidden) - 1
@@ -74,9 +77,7 @@ def build(shards: list[Shard], weights: TargetWeights, progress: Callable[[int],
         parts["prev_final"].append(shard.hidden[:-1, -1])
         parts["prev_exit"].append(shard.hidden[np.arange(n), oracle[:-1]])
         parts["top1"].append(top1[1:])
-    arrays = {k: np.concatenate(v) for k, v in parts.items()}
-    decode_ms = float(np.mean([s.decode_ms for s in shards if s.decode_ms > 0] or [0.0]))
-    return Dataset(**arrays, decode_ms=decode_ms)
+    return Dataset(**{k: np.concatenate(v) for k, v in parts.items()})
 
 
 def save(dataset: Dataset, path: Path) -> None:
@@ -87,4 +88,4 @@ def save(dataset: Dataset, path: Path) -> None:
 
 def load(path: Path) -> Dataset:
     with np.load(path) as z:
-        return Dataset(**{k: z[k] for k in Dataset.__dataclass_fields__ if k != "decode_ms"}, decode_ms=float(z["decode_ms"]))
+        return Dataset(**{k: z[k] for k in Dataset.__dataclass_fields__})

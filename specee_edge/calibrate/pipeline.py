@@ -18,9 +18,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from specee_edge.calibrate import dataset as dataset_stage
-from specee_edge.calibrate.collect import Collector, Shard, shard_path
+from specee_edge.calibrate.collect import Collector, Shard, forward_ms, shard_path
 from specee_edge.calibrate.draft_fit import fit_draft
 from specee_edge.calibrate.predictor_fit import (
+    Probes,
     layer_features,
     offline_layers,
     probe_all,
@@ -34,6 +35,8 @@ from specee_edge.draft import LinearDraft
 from specee_edge.engine.engine import default_threads
 from specee_edge.errors import SpecEEError
 from specee_edge.pack import Pack, Schedule, target_identity, write_pack
+from specee_edge.pack.convert import predictors_from_npz, predictors_to_npz
+from specee_edge.predictor import MLPPredictor
 from specee_edge.runtime.weights import TargetWeights
 
 CACHE = Path.home() / ".cache" / "specee-edge" / "calibrate"
@@ -54,6 +57,7 @@ class CalibrateConfig:
     draft_vocab: int = 4096
     hidden: int = 512         # predictor MLP width
     quality: float = 0.99     # per-layer precision of exits, after verification
+    first_layer: int = 0      # no predictor below it; 0: n_layer // 4 (shallow layers hardly ever agree)
     command: str = ""
 
 
@@ -69,6 +73,7 @@ class Calibration:
         self.console = console
         self.target = target_identity(config.model)
         self.workdir = config.workdir or CACHE / self.target.fingerprint[:16]
+        self.first_layer = config.first_layer or self.target.n_layer // 4
         self.seconds: dict[str, float] = {}
         self._check_workdir()
 
@@ -115,7 +120,7 @@ class Calibration:
         return shards
 
     def dataset(self, shards: list[Shard], weights: TargetWeights, progress: Progress) -> dataset_stage.Dataset:
-        path = self.workdir / f"dataset-{len(shards)}.npz"
+        path = self.workdir / f"dataset-{len(shards)}-from{self.first_layer}.npz"
         t0 = time.perf_counter()
         if path.exists():
             ds = dataset_stage.load(path)
@@ -126,10 +131,20 @@ class Calibration:
                 progress.update(task, advance=n)
                 progress.refresh()
 
-            ds = dataset_stage.build(shards, weights, advance)
+            ds = dataset_stage.build(shards, weights, self.first_layer, advance)
             dataset_stage.save(ds, path)
         self.seconds["lens"] = time.perf_counter() - t0
         return ds
+
+    def predictors(self, probes: Probes, train: np.ndarray, n_shards: int, advance) -> dict[int, MLPPredictor]:
+        """Trained once per data and settings: --quality only moves the thresholds."""
+        c = self.config
+        path = self.workdir / f"predictors-{n_shards}-from{self.first_layer}-k{c.k}-v{c.draft_vocab}-h{c.hidden}-s{c.seed}.npz"
+        if path.exists():
+            return predictors_from_npz(path)
+        predictors = train_predictors(probes, train, hidden=c.hidden, seed=c.seed, progress=advance)
+        predictors_to_npz(path, predictors)
+        return predictors
 
     def run(self) -> tuple[Pack, CalibrationReport]:
         config = self.config
@@ -142,7 +157,8 @@ class Calibration:
 
             task = progress.add_task("3/4 draft head", total=1)
             t0 = time.perf_counter()
-            head, draft_report = fit_draft(ds, weights, train, test, k=config.k, vocab=config.draft_vocab)
+            head, draft_report = fit_draft(ds, weights, train, test, k=config.k, vocab=config.draft_vocab,
+                                           forward_ms=forward_ms(config.model, config.threads))
             draft = LinearDraft(head, weights, config.k)
             self.seconds["draft"] = time.perf_counter() - t0
             progress.update(task, advance=1)
@@ -156,7 +172,7 @@ class Calibration:
                 progress.update(task, advance=1)
                 progress.refresh()
 
-            predictors = train_predictors(probes, train, hidden=config.hidden, seed=config.seed, progress=advance)
+            predictors = self.predictors(probes, train, len(shards), advance)
             thresholds = set_thresholds(probes, predictors, calib, config.quality)
             # layers that cannot reach the quality never exit: leave them out of the pack
             predictors = {il: p for il, p in predictors.items() if thresholds[il] < 1.0}

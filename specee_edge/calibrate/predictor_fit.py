@@ -84,8 +84,9 @@ def train_predictors(probes: Probes, train: np.ndarray, *, hidden: int, seed: in
 def fit_mlp(x: np.ndarray, y: np.ndarray, *, hidden: int, seed: int) -> MLPPredictor:
     """scikit-learn's MLP on standardized features, the scaling folded into the first layer."""
     mean, std = x.mean(axis=0), x.std(axis=0) + 1e-6
-    clf = MLPClassifier(hidden_layer_sizes=(hidden,), learning_rate_init=1e-3, batch_size=min(1024, len(x)),
-                        max_iter=100, early_stopping=True, n_iter_no_change=8, random_state=seed)
+    batch = min(1024, max(1, len(x) * 9 // 10))  # early stopping holds out 10%
+    clf = MLPClassifier(hidden_layer_sizes=(hidden,), learning_rate_init=1e-3, batch_size=batch, max_iter=100,
+                        early_stopping=True, n_iter_no_change=8, random_state=seed)
     with warnings.catch_warnings():  # early stopping ends most fits before max_iter: not a failure
         warnings.simplefilter("ignore", ConvergenceWarning)
         clf.fit((x - mean) / std, y)

@@ -53,6 +53,18 @@ def predictors_from_sklearn(source: str) -> dict[int, MLPPredictor]:
     return predictors
 
 
+def predictors_to_npz(path: Path, predictors: dict[int, MLPPredictor]) -> None:
+    """The format predictors_from_npz reads (calibration keeps its trained MLPs this way)."""
+    arrays = {}
+    for il, predictor in predictors.items():
+        for j, (w, b) in enumerate(zip(predictor.weights, predictor.biases)):
+            arrays[f"layer{il}.weight{j}"] = w
+            arrays[f"layer{il}.bias{j}"] = b
+    tmp = path.with_name(path.stem + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    tmp.replace(path)
+
+
 def predictors_from_npz(path: Path) -> dict[int, MLPPredictor]:
     parts: dict[int, dict[tuple[str, int], np.ndarray]] = {}
     with np.load(path, allow_pickle=False) as data:

@@ -44,6 +44,7 @@ from specee_edge.predictor import MLPPredictor
 QUANT_TYPES = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16,
                "q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
 MAX_LAYERS = 4096
+EMPTY_ARRAYS_ALLOWED = (KEY_PREDICTOR_LAYERS, KEY_OFFLINE_LAYERS, KEY_OFFSETS)  # GGUF cannot store []
 MAX_VOCAB = 10_000_000
 MAX_HIDDEN = 1 << 16
 
@@ -86,6 +87,7 @@ def write_pack(path: str | os.PathLike, pack: Pack, *, predictor_type: str = "f3
     writer.add_uint32(KEY_K, pack.k)
     writer.add_float32(KEY_THRESHOLD, pack.threshold)
     writer.add_array(KEY_FEATURES, list(FEATURES))
+    # GGUF has no empty arrays: add_array skips them and reading takes a missing one as empty
     writer.add_array(KEY_PREDICTOR_LAYERS, sorted(pack.predictors))
     if pack.thresholds:
         writer.add_array(KEY_THRESHOLDS, [float(pack.thresholds[il]) for il in sorted(pack.predictors)])
@@ -119,6 +121,8 @@ def write_pack(path: str | os.PathLike, pack: Pack, *, predictor_type: str = "f3
 
 def _field(reader: gguf.GGUFReader, key: str, kind: type, path: Path):
     field = reader.get_field(key)
+    if field is None and kind is list and key in EMPTY_ARRAYS_ALLOWED:
+        return []
     if field is None:
         raise PackError(f"{path.name}: missing key {key}")
     value = field.contents()

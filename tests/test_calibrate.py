@@ -1,0 +1,110 @@
+"""`specee-edge calibrate` end to end on a tiny random-weight model, and its pieces."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from specee_edge.calibrate import CalibrateConfig, calibrate
+from specee_edge.calibrate.draft_fit import draft_vocabulary
+from specee_edge.calibrate.prompts import bench_prompts, load_prompts, split
+from specee_edge.cli import app
+from specee_edge.engine import GREEDY, Engine, EngineConfig
+from specee_edge.errors import SpecEEError
+from specee_edge.pack import read_pack, target_identity
+from specee_edge.predictor.features import probe_features
+from tests.conftest import tiny_model_path
+
+PROMPTS = ["hello world", "the quick brown fox", "what is the capital of France?", "one, two, three",
+           "once upon a time", "def main(): return 0", "how are you today?", "tokenize the prompt"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny_dir):
+    work = tmp_path_factory.mktemp("calibrate")
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    model = tiny_model_path(tiny_dir, "llama", n_layer=6)
+    config = CalibrateConfig(model=model, output=work / "tiny.specee.gguf", workdir=work / "work", tokens=240,
+                             prompts=prompts, max_answer=32, threads=2, hidden=32, command="test")
+    t0 = time.perf_counter()
+    report = calibrate(config)
+    return config, report, time.perf_counter() - t0
+
+
+def test_calibrate_tiny_model_end_to_end(tiny_run):
+    config, report, seconds = tiny_run
+    assert seconds < 60
+    pack = read_pack(config.output)
+    assert pack.target == target_identity(config.model)
+    assert pack.draft is not None and pack.draft.kind == "linear"
+    assert pack.provenance["command"] == "test"
+    stored = pack.provenance["report"]
+    assert stored["tokens"] == report.tokens > 0
+    assert 0.0 <= report.draft.recall_at_1 <= report.draft.recall_at_k <= 1.0
+    assert 0.0 <= report.agreement <= 1.0 and 0.0 <= report.exit_rate <= 1.0
+    assert report.oracle_layer_speedup >= 1.0 and report.expected_layer_speedup >= 1.0
+    assert set(pack.predictors) == set(pack.thresholds)
+    assert all(0.0 < t < 1.0 for t in pack.thresholds.values())
+    assert set(pack.schedule.offline) <= set(pack.predictors)
+
+    # the engine runs the pack
+    engine = Engine(config.model, pack=config.output, config=EngineConfig(n_ctx=256, n_threads=2))
+    out = engine.generate("hello world", max_tokens=8, sampling=GREEDY)
+    assert len(out.tokens) >= 1 and out.stats.early_exit
+
+
+def test_calibrate_resumes_from_its_work_dir(tiny_run):
+    config, _, _ = tiny_run
+    shards = sorted((config.workdir / "collect").glob("*.npz"))
+    stamps = [p.stat().st_mtime_ns for p in shards]
+    report = calibrate(config)
+    assert [p.stat().st_mtime_ns for p in shards] == stamps  # nothing answered again
+    assert report.seconds["answers"] < 5
+
+
+def test_work_dir_of_another_model_is_refused(tiny_run, tiny_dir):
+    config, _, _ = tiny_run
+    other = CalibrateConfig(model=tiny_model_path(tiny_dir, "qwen2"), output=config.output.with_name("x.gguf"),
+                            workdir=config.workdir, prompts=config.prompts, tokens=64)
+    with pytest.raises(SpecEEError, match="another model"):
+        calibrate(other)
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "missing.gguf")])
+    assert result.exit_code == 1
+    assert "model file" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_built_in_prompt_sets():
+    prompts = load_prompts()
+    assert len(prompts) >= 100
+    assert {p.category for p in prompts} >= {"chat", "explain", "code", "math", "summarize"}
+    assert {p.category for p in bench_prompts("all")} == {"chat", "code", "math", "summarize"}
+    with pytest.raises(SpecEEError, match="unknown prompt set"):
+        bench_prompts("poetry")
+
+
+def test_split_is_a_partition():
+    parts = split(50, 3, (0.6, 0.2, 0.2))
+    assert sorted(np.concatenate(parts).tolist()) == list(range(50))
+    assert [len(p) for p in parts] == [30, 10, 10]
+
+
+def test_draft_vocabulary_orders_by_frequency_then_ids():
+    vocab = draft_vocabulary(np.array([7, 7, 7, 3, 3, 9]), 5, 20)
+    assert vocab.tolist() == [7, 3, 9, 0, 1]
+
+
+def test_features_match_the_definition():
+    z = np.array([2.0, 1.0, 0.0, -1.0], dtype=np.float32)
+    features, p = probe_features(z, None)
+    assert np.allclose(p, np.exp(z) / np.exp(z).sum())
+    assert np.allclose(features, np.concatenate([z, p, p]))
+    features2, _ = probe_features(z + 1.0, p * 0.5)
+    assert np.allclose(features2[8:], p - p * 0.5)
