@@ -1,0 +1,179 @@
+"""One bench run: interleaved decoding, then the oracle, then quality; the result for report.py."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+from llama_cpp import Llama
+from threadpoolctl import threadpool_limits
+
+from specee_edge.bench.oracle import Oracle, TimeModel, oracle_depths, stop_lanes
+from specee_edge.bench.quality import agreement, exact_prefix, perplexity
+from specee_edge.bench.report import TIME_PARTS, BenchResult, ModeResult
+from specee_edge.bench.runner import SpecEELane, VanillaLane, run_interleaved
+from specee_edge.calibrate.prompts import Prompt, bench_prompts, heldout_text
+from specee_edge.engine import AUTO, DEFAULT_KV_MODE, Engine, EngineConfig, GenerationStats
+from specee_edge.engine.engine import default_threads
+from specee_edge.errors import SpecEEError
+from specee_edge.runtime import Context
+from specee_edge.runtime.weights import TargetWeights
+
+ENGINE_CTX = 2048  # the engines' context: a prompt and its answer, or the held-out text
+
+
+class Reporter(Protocol):
+    """Progress: task() returns a function that advances that task by n units."""
+
+    def task(self, description: str, total: float) -> Callable[[float], None]: ...
+
+
+class Silent:
+    def task(self, description: str, total: float) -> Callable[[float], None]:
+        return lambda n: None
+
+
+@dataclass
+class BenchConfig:
+    model: Path
+    pack: str | Path | None = AUTO
+    prompt_set: str = "all"          # a built-in set or a .jsonl file
+    num_prompts: int = 8             # taken in turns from each category; 0: all of them
+    tokens: int = 96                 # generated per prompt (the first comes from the prompt pass)
+    kv_modes: list[str] = field(default_factory=lambda: [DEFAULT_KV_MODE])
+    threads: int = field(default_factory=default_threads)
+    threshold: float | None = None   # None: the pack's per-layer thresholds
+    ppl_tokens: int = 0              # held-out tokens for perplexity; 0: all of them
+    command: str = ""
+
+
+def pick_prompts(prompts: Sequence[Prompt], n: int) -> list[Prompt]:
+    """Up to n prompts, one from each category in turn (file order within a category); n = 0: all."""
+    by_category: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_category.setdefault(p.category, []).append(p)
+    turns = []
+    for i in range(max(map(len, by_category.values()))):
+        turns.extend(group[i] for group in by_category.values() if i < len(group))
+    return turns[:n] if n > 0 else turns
+
+
+def load_engines(config: BenchConfig) -> dict[str, Engine]:
+    engines = {}
+    for mode in config.kv_modes:
+        engine = Engine(config.model, pack=config.pack, config=EngineConfig(
+            n_ctx=ENGINE_CTX, n_threads=config.threads, kv_mode=mode, threshold=config.threshold))
+        if engine.policy is None:
+            raise SpecEEError(f"no pack found for {config.model.name}: pass --pack, or make one with "
+                              f"`specee-edge calibrate {config.model}`")
+        engines[mode] = engine
+    return engines
+
+
+def chat_prompts(engine: Engine, prompts: Sequence[Prompt]) -> list[list[int]]:
+    return [engine.tokenize(engine.format_chat([{"role": "user", "content": p.text}])) for p in prompts]
+
+
+def run_bench(config: BenchConfig, reporter: Reporter = Silent()) -> BenchResult:
+    # numpy's BLAS single-threaded (the draft head, the oracle's capture), except in the logit lens:
+    # idle BLAS workers spin and fight llama.cpp's threads for the cores (up to 100x slower decoding)
+    with threadpool_limits(limits=1, user_api="blas"):
+        return _run_bench(config, reporter)
+
+
+def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
+    start = time.perf_counter()
+    if config.tokens < 2:
+        raise SpecEEError("--tokens must be at least 2 (the first token comes from the prompt pass)")
+    engines = load_engines(config)
+    first = next(iter(engines.values()))
+    model, n_layer, k = first.model, first.n_layer, first.policy.k
+    selected = pick_prompts(bench_prompts(config.prompt_set), config.num_prompts)
+    prompts = chat_prompts(first, selected)
+    seq_ctx = max(map(len, prompts)) + config.tokens
+    if seq_ctx > ENGINE_CTX:
+        raise SpecEEError(f"a prompt and its answer ({seq_ctx} tokens) must fit {ENGINE_CTX}: lower --tokens")
+    heldout = first.tokenize(heldout_text())[: min(config.ppl_tokens or ENGINE_CTX, ENGINE_CTX)]
+
+    # 1. speed: vanilla, SpecEE per KV mode and the forced stops, token by token in turns
+    llm = Llama(model_path=str(config.model), n_ctx=seq_ctx, n_threads=config.threads,
+                n_threads_batch=config.threads, verbose=False)
+    vanilla = VanillaLane(llm, config.tokens, model.is_eog)
+    lanes = [SpecEELane(mode, engine, config.tokens) for mode, engine in engines.items()]
+    stops = stop_lanes(model, n_ctx=seq_ctx, n_threads=config.threads, k=k)
+    run_interleaved(prompts, vanilla, lanes, stops, reporter.task("decoding", len(prompts) * (config.tokens - 1)))
+    time_model = TimeModel.fit(stops)
+    for lane in stops:
+        lane.ctx.close()
+    llm.close()
+
+    # 2. the oracle along vanilla's outputs
+    depths = oracle_depths(model, TargetWeights(config.model), prompts, vanilla.outputs, n_ctx=seq_ctx,
+                           n_threads=config.threads, advance=reporter.task("oracle", vanilla.timing.steps))
+    oracle = Oracle(depths, time_model, n_layer)
+
+    # 3. quality: agreement, exact prefix, held-out perplexity with and without exits
+    reference = Context(model, n_ctx=seq_ctx, n_batch=seq_ctx, n_threads=config.threads)
+    advance = reporter.task("quality", sum(lane.timing.steps for lane in lanes) + (len(lanes) + 1) * (len(heldout) - 1))
+    ppl_full = perplexity(first, heldout, early_exit=False, advance=advance)
+    modes = [
+        mode_result(lane, vanilla, oracle,
+                    agreement=agreement(reference, prompts, lane.outputs, advance),
+                    ppl_specee=perplexity(lane.engine, heldout, early_exit=True, advance=advance))
+        for lane in lanes
+    ]
+    reference.close()
+    for engine in engines.values():
+        engine.close()
+    return BenchResult(
+        model=config.model.name, pack=first.pack_path.name, n_layer=n_layer, threads=config.threads, k=k,
+        prompt_set=config.prompt_set, prompts=len(prompts), tokens=config.tokens,
+        vanilla_steps=vanilla.timing.steps, vanilla_tok_s=vanilla.timing.tok_s,
+        oracle_speedup=oracle.speedup, oracle_avg_exit_layer=oracle.avg_exit_layer,
+        oracle_histogram=oracle.histogram, time_model=time_model, ppl_full=ppl_full, ppl_tokens=len(heldout),
+        modes=modes, seconds=time.perf_counter() - start, command=config.command,
+    )
+
+
+def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, *, agreement: float,
+                ppl_specee: float) -> ModeResult:
+    stats = GenerationStats(oracle.n_layer, early_exit=True)
+    for record in lane.decode_records():
+        stats.add(record)
+    speedup = lane.timing.tok_s / vanilla.timing.tok_s if vanilla.timing.tok_s else 0.0
+    headroom = oracle.speedup - 1
+    return ModeResult(
+        kv_mode=lane.kv_mode, steps=lane.timing.steps, specee_tok_s=lane.timing.tok_s, speedup=speedup,
+        gain_captured=(speedup - 1) / headroom if headroom > 1e-9 else None,
+        agreement=agreement, exact_prefix=exact_prefix(vanilla.outputs, lane.outputs), ppl_specee=ppl_specee,
+        avg_exit_layer=stats.avg_exit_layer, exit_rate=stats.exit_rate,
+        predictor_calls_per_token=stats.predictor_calls_per_token, verify_fail_rate=stats.verify_fail_rate,
+        draft_recall_at_k=stats.draft_recall_at_k, ms_per_token=time_split(stats, lane.timing.ms),
+        exit_histogram=exit_histogram(stats.exit_layers, oracle.n_layer),
+    )
+
+
+def exit_histogram(exit_layers: Sequence[int | None], n_layer: int) -> list[int]:
+    """Counts per exit layer; a token that ran every layer counts at n_layer - 1."""
+    layers = [n_layer - 1 if il is None else il for il in exit_layers]
+    return np.bincount(np.asarray(layers, dtype=np.int64), minlength=n_layer).tolist()
+
+
+def time_split(stats: GenerationStats, step_ms: float) -> dict[str, float]:
+    """ms per decode step: draft, layers (the forward less the Python probes), predictor, verify,
+    other (bookkeeping outside the forward: the draft's hidden state, the schedule), and sample."""
+    if not stats.n_decode:
+        return dict.fromkeys(TIME_PARTS, 0.0)
+    ms = {key: value / stats.n_decode for key, value in stats.time_ms.items()}
+    return {
+        "draft": ms["draft"],
+        "layers": ms["forward"] - ms["predictor"] - ms["verify"],
+        "predictor": ms["predictor"],
+        "verify": ms["verify"],
+        "other": step_ms - ms["draft"] - ms["forward"],
+        "sample": ms["sample"],
+    }

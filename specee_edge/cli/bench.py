@@ -1,0 +1,85 @@
+"""`specee-edge bench`: speed and quality against vanilla llama.cpp, side by side, with the oracle bound."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from specee_edge.cli.app import app, console, err_console, fail
+from specee_edge.errors import SpecEEError
+
+REFRESH_S = 0.2
+
+
+class ManualProgress:
+    """rich progress without its refresh thread (it steals the GIL from the timed loops: 10x slower decoding)."""
+
+    def __init__(self, progress: Progress):
+        self.progress = progress
+        self._last = 0.0
+
+    def task(self, description: str, total: float) -> Callable[[float], None]:
+        task = self.progress.add_task(description, total=total)
+
+        def advance(n: float) -> None:
+            self.progress.advance(task, n)
+            now = time.perf_counter()
+            if now - self._last >= REFRESH_S:
+                self._last = now
+                self.progress.refresh()
+
+        return advance
+
+
+@app.command()
+def bench(
+    model: Annotated[str | None, typer.Argument(help="model GGUF or registry name [default: the default model]")] = None,
+    pack: Annotated[str | None, typer.Option("--pack", help="pack [default: MODEL.specee.gguf beside the model, else the shipped one]")] = None,
+    prompts: Annotated[str, typer.Option("--prompts", help="chat, code, math, summarize, all, or a .jsonl file")] = "all",
+    num_prompts: Annotated[int, typer.Option("-p", "--num-prompts", help="prompts to run, in turns from each category (0: all)")] = 8,
+    tokens: Annotated[int, typer.Option("-n", "--tokens", help="tokens generated per prompt")] = 96,
+    kv_mode: Annotated[str | None, typer.Option("--kv-mode", help="mask, fill, full, or all [default: the engine's]")] = None,
+    threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads [default: up to 8]")] = None,
+    threshold: Annotated[float | None, typer.Option("--threshold", help="one exit threshold for every layer [default: the pack's]")] = None,
+    ppl_tokens: Annotated[int, typer.Option("--ppl-tokens", help="held-out tokens for perplexity (0: all)")] = 0,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write the results as JSON here")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="write the exit-layer histogram as a PNG here")] = None,
+) -> None:
+    """Decode the same prompts with vanilla llama.cpp and SpecEE, interleaved: speed, oracle bound, quality."""
+    from specee_edge.bench import BenchConfig, plot_histogram, run_bench
+    from specee_edge.engine import AUTO, DEFAULT_KV_MODE
+    from specee_edge.engine.engine import default_threads
+    from specee_edge.pull import resolve_model
+    from specee_edge.runtime import KV_MODES
+
+    mode = kv_mode or DEFAULT_KV_MODE
+    modes = [DEFAULT_KV_MODE, *(m for m in KV_MODES if m != DEFAULT_KV_MODE)] if mode == "all" else [mode]
+    try:
+        if mode != "all" and mode not in KV_MODES:
+            raise SpecEEError(f"unknown KV mode {mode!r}: choose {', '.join(KV_MODES)} or all")
+        config = BenchConfig(
+            model=resolve_model(model), pack=pack or AUTO, prompt_set=prompts, num_prompts=num_prompts,
+            tokens=tokens, kv_modes=modes, threads=threads or default_threads(), threshold=threshold,
+            ppl_tokens=ppl_tokens, command=" ".join(["specee-edge", *sys.argv[1:]]),
+        )
+        columns = (TextColumn("{task.description:>9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=err_console, transient=True, auto_refresh=False) as progress:
+            result = run_bench(config, ManualProgress(progress))
+    except SpecEEError as e:
+        raise fail(e) from None
+    except KeyboardInterrupt:
+        err_console.print("interrupted: no results")
+        raise typer.Exit(130) from None
+    console.print(result.render())
+    if json_path:
+        result.write_json(json_path)
+        console.print(f"wrote {json_path}")
+    if plot:
+        plot_histogram(result, plot)
+        console.print(f"wrote {plot}")

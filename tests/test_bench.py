@@ -1,0 +1,116 @@
+"""specee-edge bench on the default model and its shipped pack, tiny settings: every documented key, sane values."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+from llama_cpp import Llama
+from typer.testing import CliRunner
+
+from specee_edge.bench.run import pick_prompts
+from specee_edge.bench.runner import VanillaLane
+from specee_edge.calibrate.prompts import Prompt
+from specee_edge.cli import app
+from specee_edge.engine import DEFAULT_KV_MODE
+from tests.conftest import CHAT_PROMPT
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+PROMPTS, TOKENS = 2, 8
+
+
+def documented_keys() -> tuple[set[str], set[str]]:
+    """The README's JSON schema table: (top-level keys, keys of each `modes` entry)."""
+    text = README.read_text()
+    section = text[text.index("## Benchmark: `specee-edge bench`") : text.index("## Layout")]
+    top, per_mode = set(), set()
+    for key, in_modes in re.findall(r"^\| `([a-z_]+)` \|[^|]*\| (yes|no) \|", section, flags=re.M):
+        top.add(key)
+        if in_modes == "yes":
+            per_mode.add(key)
+    return top, per_mode
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory) -> tuple[dict, Path, str]:
+    out = tmp_path_factory.mktemp("bench")
+    args = ["bench", "-p", str(PROMPTS), "-n", str(TOKENS), "-t", "1", "--ppl-tokens", "32",
+            "--json", str(out / "bench.json"), "--plot", str(out / "exits.png")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "bench.json").read_text()), out / "exits.png", result.output
+
+
+def test_json_has_every_documented_key(bench_run):
+    data, _, _ = bench_run
+    top, per_mode = documented_keys()
+    assert top and per_mode
+    assert set(data) == top
+    assert set(data["modes"]) == {DEFAULT_KV_MODE}
+    assert set(data["modes"][DEFAULT_KV_MODE]) == per_mode
+    assert set(data["ms_per_token"]) == {"draft", "layers", "predictor", "verify", "other", "sample"}
+
+
+def test_values_are_sane(bench_run):
+    data, _, _ = bench_run
+    n_layer = data["n_layer"]
+    assert data["kv_mode"] == DEFAULT_KV_MODE
+    assert (data["prompts"], data["tokens"]) == (PROMPTS, TOKENS)
+    assert 0 < data["steps"] <= PROMPTS * (TOKENS - 1)
+    assert 0 < data["vanilla_tok_s"] and 0 < data["specee_tok_s"] and 0 < data["speedup"]
+    assert math.isclose(data["speedup"], data["specee_tok_s"] / data["vanilla_tok_s"])
+    assert data["oracle_speedup"] >= 1
+    if data["gain_captured"] is not None:
+        assert math.isclose(data["gain_captured"], (data["speedup"] - 1) / (data["oracle_speedup"] - 1))
+    assert 0 <= data["agreement"] <= 1
+    assert 0 <= data["exact_prefix"] <= TOKENS
+    assert 1 < data["ppl_full"] < 1e4 and 1 < data["ppl_specee"] < 1e4
+    assert 0 <= data["avg_exit_layer"] <= n_layer - 1 and 0 <= data["oracle_avg_exit_layer"] <= n_layer - 1
+    for rate in ("exit_rate", "verify_fail_rate", "draft_recall_at_k"):
+        assert 0 <= data[rate] <= 1
+    assert 0 <= data["predictor_calls_per_token"] <= n_layer - 1
+    assert len(data["exit_histogram"]) == n_layer and sum(data["exit_histogram"]) == data["steps"]
+    assert len(data["oracle_histogram"]) == n_layer and sum(data["oracle_histogram"]) == data["vanilla_steps"]
+    exits = sum(data["exit_histogram"][:-1])
+    assert math.isclose(data["exit_rate"], exits / data["steps"])
+    assert all(v >= 0 for k, v in data["ms_per_token"].items() if k != "other")
+    assert data["time_model"]["layers_run"][-1] == n_layer and data["time_model"]["per_layer_ms"] >= 0
+
+
+def test_terminal_report_and_plot(bench_run):
+    _, plot, output = bench_run
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for figure in ("vanilla", "speedup", "oracle_speedup", "agreement", "exact_prefix", "exit layers", "ms per decode step"):
+        assert figure in output
+
+
+def test_vanilla_lane_is_stock_greedy(default_model):
+    """The vanilla lane's token loop gives what llama-cpp-python's own greedy generate() gives."""
+    prompt = default_model.tokenize(CHAT_PROMPT)
+    llm = Llama(model_path=str(default_model.info.path), n_ctx=256, n_threads=1, n_threads_batch=1, verbose=False)
+    stock = []
+    for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+        stock.append(token)
+        if len(stock) == 12 or default_model.is_eog(token):
+            break
+    lane = VanillaLane(llm, 12, default_model.is_eog)
+    lane.start(prompt)
+    while (token := lane.next_input()) is not None:
+        lane.step(token)
+    assert lane.outputs == [stock]
+    assert lane.timing.steps == len(stock) - 1
+
+
+def test_pick_prompts_takes_categories_in_turn():
+    prompts = [Prompt(c, f"{c}{i}") for c in ("a", "b", "c") for i in range(3 if c != "c" else 1)]
+    assert [p.text for p in pick_prompts(prompts, 5)] == ["a0", "b0", "c0", "a1", "b1"]
+    assert len(pick_prompts(prompts, 0)) == len(prompts)
+
+
+def test_bad_kv_mode_is_one_line_error():
+    result = CliRunner().invoke(app, ["bench", "--kv-mode", "nope"])
+    assert result.exit_code == 1
+    assert "unknown KV mode" in result.output
