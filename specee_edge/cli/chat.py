@@ -50,7 +50,8 @@ class KvMode(str, Enum):
     full = "full"
 
 
-KvModeOpt = Annotated[KvMode, typer.Option("--kv-mode", help="K/V of the layers an exited token skipped")]
+KvModeOpt = Annotated[KvMode | None, typer.Option("--kv-mode", show_default=False,
+                      help="K/V of the layers an exited token skipped [default: fill, or mask where fill is unsupported]")]
 
 
 @dataclass
@@ -62,7 +63,7 @@ class EngineOptions:
     n_ctx: int
     n_gpu_layers: str
     threads: int | None
-    kv_mode: str
+    kv_mode: str | None
     threshold: float | None
     early_exit: bool
 
@@ -168,7 +169,7 @@ def chat(
     system_prompt: SystemPrompt = None,
     chat_template: ChatTemplate = None,
     no_early_exit: NoEarlyExit = False,
-    kv_mode: KvModeOpt = KvMode.mask,
+    kv_mode: KvModeOpt = None,
     threshold: Threshold = None,
     color_exits: ColorExits = False,
     verbose: Verbose = False,
@@ -179,7 +180,7 @@ def chat(
     from specee_edge.pull import models_dir
 
     try:
-        opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads, kv_mode.value,
+        opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
                              threshold, not no_early_exit)
         settings = ReplSettings(sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed), n_predict,
                                 system_prompt, chat_template_text(chat_template), verbose, color_exits)
@@ -228,7 +229,7 @@ def generate(
     system_prompt: SystemPrompt = None,
     chat_template: ChatTemplate = None,
     no_early_exit: NoEarlyExit = False,
-    kv_mode: KvModeOpt = KvMode.mask,
+    kv_mode: KvModeOpt = None,
     threshold: Threshold = None,
     color_exits: ColorExits = False,
     verbose: Verbose = False,
@@ -238,7 +239,7 @@ def generate(
 
     try:
         text = _prompt_text(prompt, file)
-        opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads, kv_mode.value,
+        opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
                              threshold, not no_early_exit)
         sampling = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
         template = chat_template_text(chat_template)

@@ -119,7 +119,7 @@ def engine_info(engine: Engine, sampling: SamplingParams, max_tokens: int, syste
             rows += [(label, str(provenance[key])) for key, label in labels.items() if key in provenance]
     config = engine.config
     rows += [
-        ("early exit", ("on" if engine.early_exit else "off") + f", kv mode {config.kv_mode}"),
+        ("early exit", ("on" if engine.early_exit else "off") + f", kv mode {engine.kv_mode}"),
         ("context", f"{engine.ctx.n_ctx} tokens, {engine.ctx.n_past} in use; {config.n_threads} threads, {config.n_gpu_layers} GPU layers"),
         ("sampling", f"temp {sampling.temperature:g}, top_k {sampling.top_k}, top_p {sampling.top_p:g}, min_p {sampling.min_p:g}, "
                      f"repeat_penalty {sampling.repeat_penalty:g}, seed {'random' if sampling.seed is None else sampling.seed}, "

@@ -26,10 +26,13 @@ from specee_edge.engine.exit import ExitPolicy, find_pack
 from specee_edge.engine.records import GenerationStats, TokenRecord
 from specee_edge.engine.sampling import SamplingParams, sample
 from specee_edge.engine.stops import StopMatcher
-from specee_edge.errors import ContextFullError, SpecEEError
+from specee_edge.errors import ContextFullError, SpecEEError, UnsupportedModelError
 from specee_edge.runtime import Context, Model
 
-DEFAULT_KV_MODE = "mask"
+# By measurement (README, Benchmark): fill agrees with the full model like `full` and costs about
+# what `mask` costs; models whose K/V cannot be rebuilt (fused or scaled projections) get mask.
+DEFAULT_KV_MODE = "fill"
+FALLBACK_KV_MODE = "mask"
 AUTO = "auto"  # pack=AUTO: MODEL.specee.gguf beside the model, else a shipped pack in models/
 
 
@@ -43,7 +46,7 @@ class EngineConfig:
     n_batch: int = 512
     n_threads: int = field(default_factory=default_threads)
     n_gpu_layers: int = 0
-    kv_mode: str = DEFAULT_KV_MODE
+    kv_mode: str | None = None  # None: DEFAULT_KV_MODE where the model allows it, else FALLBACK_KV_MODE
     threshold: float | None = None  # None: the pack's per-layer thresholds
     early_exit: bool = True
 
@@ -66,13 +69,24 @@ class Engine:
         self.policy = ExitPolicy.load(self.pack_path, model_path, threshold=self.config.threshold) if self.pack_path else None
         self.ctx = Context(self.model, n_ctx=self.config.n_ctx, n_batch=self.config.n_batch,
                            n_threads=self.config.n_threads)
+        self.kv_mode: str | None = None
         if self.policy:
-            self.ctx.enable_early_exit(self.policy.k, self.config.kv_mode)
+            self.kv_mode = self._enable_early_exit(self.config.kv_mode)
             self.policy.attach(self.ctx)
         self.early_exit = self.config.early_exit and self.policy is not None
         self._kv_tokens: list[int] = []  # the tokens whose K/V are in the cache, in order
         self._hidden: np.ndarray | None = None  # h of the last cached position, for the draft
         self.stats = GenerationStats(self.n_layer, self.early_exit)
+
+    def _enable_early_exit(self, kv_mode: str | None) -> str:
+        if kv_mode is None:
+            try:
+                self.ctx.enable_early_exit(self.policy.k, DEFAULT_KV_MODE)
+                return DEFAULT_KV_MODE
+            except UnsupportedModelError:
+                kv_mode = FALLBACK_KV_MODE
+        self.ctx.enable_early_exit(self.policy.k, kv_mode)
+        return kv_mode
 
     # --- one token -------------------------------------------------------------------------
 
