@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+import llama_cpp
 from llama_cpp import Llama
 from rich.console import Console
 from rich.progress import Progress
@@ -78,7 +79,9 @@ class VanillaSession:
         self.llm.eval(prompt)
 
     def step(self) -> float:
-        token = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        # Llama.eval keeps no scores without logits_all: the last token's logits come from llama.cpp
+        logits = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        token = int(np.argmax(np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),))))
         start = time.perf_counter()
         self.llm.eval([token])
         return time.perf_counter() - start
