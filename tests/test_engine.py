@@ -10,7 +10,7 @@ from specee_edge.engine import GREEDY, Engine, EngineConfig, SamplingParams
 from specee_edge.engine.exit import SHIPPED_PACKS, find_pack
 from specee_edge.engine.sampling import sample
 from specee_edge.engine.stops import StopMatcher
-from specee_edge.errors import ContextFullError
+from specee_edge.errors import ContextFullError, SpecEEError
 from specee_edge.pack import PackMismatchError
 from specee_edge.runtime import Context
 from tests.conftest import CHAT_PROMPT
@@ -193,3 +193,11 @@ def test_stop_matcher_holds_back_partial_matches():
     m = StopMatcher(["###"])
     assert m.feed("a #") == ("a ", False)
     assert m.feed("b") == ("#b", False)
+
+
+def test_bad_arguments_are_one_line_errors(engine):
+    with pytest.raises(SpecEEError, match="max_tokens"):
+        engine.generate(CHAT_PROMPT, max_tokens=0)
+    with pytest.raises(SpecEEError, match="empty"):
+        engine.generate([], max_tokens=4)
+    assert engine.generate(CHAT_PROMPT, max_tokens=4, sampling=GREEDY).tokens

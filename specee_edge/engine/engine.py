@@ -145,6 +145,8 @@ class Engine:
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not tokens:
             raise SpecEEError("the prompt is empty")
+        if max_tokens < 1:
+            raise SpecEEError(f"max_tokens must be at least 1, got {max_tokens}")
         if len(tokens) >= self.ctx.n_ctx:
             raise ContextFullError(
                 f"the prompt ({len(tokens)} tokens) does not fit the context of {self.ctx.n_ctx}"
