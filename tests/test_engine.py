@@ -201,3 +201,17 @@ def test_bad_arguments_are_one_line_errors(engine):
     with pytest.raises(SpecEEError, match="empty"):
         engine.generate([], max_tokens=4)
     assert engine.generate(CHAT_PROMPT, max_tokens=4, sampling=GREEDY).tokens
+
+
+def test_early_exit_can_be_switched_mid_conversation(engine):
+    engine.reset()
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    engine.set_early_exit(False)
+    try:
+        first = engine.chat(messages, max_tokens=12, sampling=GREEDY)
+    finally:
+        engine.set_early_exit(True)
+    assert first.stats.predictor_calls_per_token == 0
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And a vegetable?"}]
+    second = engine.chat(messages, max_tokens=12, sampling=GREEDY)
+    assert second.stats.predictor_calls_per_token > 0

@@ -120,11 +120,11 @@ class Engine:
         if n_common < len(self._kv_tokens):
             self.ctx.truncate(n_common)
             del self._kv_tokens[n_common:]
-        if self.policy:
+        if self.early_exit:  # off, the context decodes like a plain one: no capture
             self.policy.begin_prompt()
         self.ctx.decode(tokens[n_common:])
         self._kv_tokens.extend(tokens[n_common:])
-        if self.policy:
+        if self.early_exit:
             self._hidden = self.policy.hidden_after(None)
             self.policy.schedule.reset()
 
