@@ -96,8 +96,6 @@ def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str,
         notice = f"{e}; early exit off"
     if engine.policy is None and notice is None:
         notice = f"early exit off: no pack for {label}; make one with `specee-edge calibrate {label}`"
-    if engine.policy is not None and not opts.early_exit:
-        engine.set_early_exit(False)
     return engine, label, notice
 
 

@@ -74,6 +74,8 @@ class Engine:
             self.kv_mode = self._enable_early_exit(self.config.kv_mode)
             self.policy.attach(self.ctx)
         self.early_exit = self.config.early_exit and self.policy is not None
+        if self.policy:
+            self.policy.set_active(self.early_exit)
         self._kv_tokens: list[int] = []  # the tokens whose K/V are in the cache, in order
         self._hidden: np.ndarray | None = None  # h of the last cached position, for the draft
         self.stats = GenerationStats(self.n_layer, self.early_exit)

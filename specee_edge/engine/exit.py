@@ -65,7 +65,6 @@ class ExitPolicy:
         self.last_layer = ctx.model.info.n_layer - 1
         self.candidates = np.zeros(self.k, dtype=np.int64)
         self._probe_layers: list[int] | None = None
-        self.set_active(True)
 
     def set_active(self, on: bool) -> None:
         """Off: no probe calls into Python and no captures, so the context decodes like a plain one."""
