@@ -21,10 +21,28 @@ _lib = _llama._lib
 llama_context_p = _llama.llama_context_p_ctypes
 llama_model_p = _llama.llama_model_p_ctypes
 
+
+class TokenInfo(ctypes.Structure):
+    """struct llama_specee_token_info: what the last single-token decode did."""
+
+    _fields_ = [
+        ("exit_layer", ctypes.c_int32),
+        ("n_probes", ctypes.c_int32),
+        ("n_verify_fail", ctypes.c_int32),
+        ("n_cand", ctypes.c_int32),
+        ("cand", ctypes.c_int32 * MAX_CANDIDATES),
+        ("t_draft_us", ctypes.c_int64),
+        ("t_predictor_us", ctypes.c_int64),
+        ("t_verify_us", ctypes.c_int64),
+    ]
+
+
 # bool (*)(int32_t il, const float * cand_logits, int32_t n_cand, void * user_data)
 probe_callback_t = ctypes.CFUNCTYPE(
     ctypes.c_bool, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_int32, ctypes.c_void_p
 )
+
+_floats = ctypes.POINTER(ctypes.c_float)
 
 _SIGNATURES: dict[str, tuple[list, object]] = {
     "llama_specee_supported": ([llama_model_p], ctypes.c_int32),
@@ -50,6 +68,19 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
         ctypes.POINTER(ctypes.c_float),
     ),
     "llama_specee_cell_depth": ([llama_context_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32),
+    "llama_specee_set_draft": (
+        [llama_context_p, ctypes.c_int32, ctypes.c_int32, _floats, _floats, _floats, _floats, ctypes.c_float,
+         _floats, ctypes.POINTER(ctypes.c_int32)],
+        ctypes.c_int32,
+    ),
+    "llama_specee_set_predictor": (
+        [llama_context_p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), _floats, ctypes.c_float],
+        ctypes.c_int32,
+    ),
+    "llama_specee_set_threshold": ([llama_context_p, ctypes.c_int32, ctypes.c_float], ctypes.c_int32),
+    "llama_specee_predictor_prob": ([llama_context_p, ctypes.c_int32, _floats], ctypes.c_float),
+    "llama_specee_set_timing": ([llama_context_p, ctypes.c_bool], None),
+    "llama_specee_get_token_info": ([llama_context_p, ctypes.POINTER(TokenInfo)], ctypes.c_int32),
 }
 
 

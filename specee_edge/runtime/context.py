@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from llama_cpp import llama_cpp as _llama
 
 from specee_edge.errors import ContextFullError, SpecEEError, UnsupportedModelError
-from specee_edge.runtime._bindings import C, KV_MODES, MAX_CANDIDATES, probe_callback_t
+from specee_edge.runtime._bindings import C, KV_MODES, MAX_CANDIDATES, TokenInfo, probe_callback_t
 from specee_edge.runtime.model import Model
 
 # called after an active probe with (layer, candidate logits); returns True to stop the token there.
@@ -21,6 +22,26 @@ from specee_edge.runtime.model import Model
 ProbeCallback = Callable[[int, np.ndarray], bool]
 
 SEQ = 0
+
+# how the runtime stores draft matrices (ggml type ids)
+DRAFT_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What the last single-token decode did inside llama_decode. Times in milliseconds."""
+
+    exit_layer: int | None     # None: every layer ran
+    probes: int                # native predictors evaluated
+    verify_failures: int       # positive predictions whose exit top-1 was not a candidate
+    candidates: tuple[int, ...]  # this step's candidates for the next token, best first
+    draft_ms: float            # graph start to the draft's candidates (0 unless timing is on)
+    predictor_ms: float
+    verify_ms: float
+
+
+def _floats(array: np.ndarray) -> ctypes._Pointer:
+    return array.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
 
 
 def _int32_array(values: Sequence[int]) -> ctypes.Array:
@@ -90,7 +111,8 @@ class Context:
         self._cand_view = None
 
     def set_probe_layers(self, layers: Sequence[int]) -> None:
-        """Layers whose probe calls the callback; each in [0, n_layer - 1)."""
+        """Layers where the token may stop (the schedule), each in [0, n_layer - 1). Graphs hold probes only
+        while one of them has a predictor or a callback is set; [] turns early exit off."""
         self._require_early_exit()
         last = self.model.info.n_layer - 1
         for il in layers:
@@ -100,14 +122,95 @@ class Context:
             raise SpecEEError("llama_specee_set_probe_layers failed")
 
     def set_candidates(self, token_ids: Sequence[int]) -> None:
+        """Candidate ids for the next single-token decode (ignored once a draft head is set)."""
         self._require_early_exit()
         if len(token_ids) != self.n_cand:
             raise SpecEEError(f"expected {self.n_cand} candidates, got {len(token_ids)}")
         if C["llama_specee_set_candidates"](self._ctx, _int32_array(token_ids), len(token_ids)) != 0:
             raise SpecEEError(f"candidate ids must be in [0, {self.n_vocab}): {list(token_ids)}")
 
+    def set_draft(self, *, w_embd: np.ndarray, w_hidden: np.ndarray, bias: np.ndarray, norm: np.ndarray, eps: float,
+                  head: np.ndarray, vocab_map: np.ndarray, quant: str = "q8_0") -> None:
+        """Run the linear draft head inside every single-token graph; its top-k become the candidates.
+
+        g = w_embd @ emb(token) + w_hidden @ (rms_norm(h_prev) * norm) + bias, candidates =
+        vocab_map[top-k(head @ g)], where h_prev is the hidden state the previous step left with. The
+        matrices ([out, in]) are stored as `quant` on the backend that runs the layers.
+        """
+        self._require_early_exit()
+        if quant not in DRAFT_TYPES:
+            raise SpecEEError(f"draft matrices are stored as {', '.join(DRAFT_TYPES)}, not {quant!r}")
+        n_embd = self.model.info.n_embd
+        w_embd, w_hidden, head = (np.ascontiguousarray(a, dtype=np.float32) for a in (w_embd, w_hidden, head))
+        bias, norm = (np.ascontiguousarray(a, dtype=np.float32).reshape(-1) for a in (bias, norm))
+        vocab_map = np.ascontiguousarray(vocab_map, dtype=np.int32)
+        if (w_embd.shape != (n_embd, n_embd) or w_hidden.shape != (n_embd, n_embd) or bias.shape != (n_embd,)
+                or norm.shape != (n_embd,) or head.ndim != 2 or head.shape[1] != n_embd
+                or vocab_map.shape != (head.shape[0],)):
+            raise SpecEEError(f"draft head shapes do not fit n_embd {n_embd}")
+        rc = C["llama_specee_set_draft"](self._ctx, DRAFT_TYPES[quant], head.shape[0], _floats(w_embd),
+                                         _floats(w_hidden), _floats(bias), _floats(norm), eps, _floats(head),
+                                         vocab_map.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))
+        if rc != 0:
+            raise SpecEEError(f"llama_specee_set_draft failed ({rc}): draft ids must be in [0, {self.n_vocab}) and"
+                              f" at least {self.n_cand}, rows a multiple of the {quant} block")
+
+    def set_predictor(self, layer: int, weights: Sequence[np.ndarray], biases: Sequence[np.ndarray],
+                      threshold: float) -> None:
+        """The native exit predictor after `layer`: dense layers ([out, in] weights), ReLU between, a sigmoid
+        out; the token stops there when it exceeds `threshold` and verification agrees."""
+        self._require_early_exit()
+        dims = [weights[0].shape[1], *(w.shape[0] for w in weights)]
+        params = np.concatenate([np.concatenate([np.asarray(w, np.float32).reshape(-1), np.asarray(b, np.float32).reshape(-1)])
+                                 for w, b in zip(weights, biases)])
+        rc = C["llama_specee_set_predictor"](self._ctx, layer, len(weights), _int32_array(dims), _floats(params), threshold)
+        if rc != 0:
+            raise SpecEEError(f"predictor for layer {layer} rejected ({rc}): layers in [0, {self.model.info.n_layer - 1}),"
+                              f" {3 * self.n_cand} features in, 1 out")
+
+    def clear_predictors(self) -> None:
+        self._require_early_exit()
+        for layer in range(self.model.info.n_layer - 1):
+            C["llama_specee_set_predictor"](self._ctx, layer, 0, None, None, 0.0)
+
+    def set_threshold(self, layer: int, threshold: float) -> None:
+        self._require_early_exit()
+        if C["llama_specee_set_threshold"](self._ctx, layer, threshold) != 0:
+            raise SpecEEError(f"layer {layer} has no native predictor")
+
+    def predictor_prob(self, layer: int, features: np.ndarray) -> float:
+        """The native predictor of `layer` on one feature vector (3 * n_cand floats): its exit probability."""
+        self._require_early_exit()
+        x = np.ascontiguousarray(features, dtype=np.float32)
+        if x.shape != (3 * self.n_cand,):
+            raise SpecEEError(f"expected {3 * self.n_cand} features, got shape {x.shape}")
+        prob = C["llama_specee_predictor_prob"](self._ctx, layer, _floats(x))
+        if prob < 0:
+            raise SpecEEError(f"layer {layer} has no native predictor")
+        return float(prob)
+
+    def set_timing(self, on: bool) -> None:
+        """Time the draft inside the graph (one extra scheduler split per token)."""
+        self._require_early_exit()
+        C["llama_specee_set_timing"](self._ctx, on)
+
+    def step_info(self) -> StepInfo:
+        """What the last single-token decode did; inside a probe callback, the step so far."""
+        self._require_early_exit()
+        info = TokenInfo()
+        C["llama_specee_get_token_info"](self._ctx, ctypes.byref(info))
+        return StepInfo(
+            exit_layer=None if info.exit_layer < 0 else info.exit_layer,
+            probes=info.n_probes,
+            verify_failures=info.n_verify_fail,
+            candidates=tuple(info.cand[: info.n_cand]),
+            draft_ms=info.t_draft_us / 1e3,
+            predictor_ms=info.t_predictor_us / 1e3,
+            verify_ms=info.t_verify_us / 1e3,
+        )
+
     def set_probe_callback(self, callback: ProbeCallback | None) -> None:
-        """None turns the probes off in C: no graph split, no call into Python."""
+        """A Python policy, called at each active probe (it overrides native predictors); None removes it."""
         self._require_early_exit()
         self._probe_callback = callback
         c_callback = self._c_callback if callback else ctypes.cast(None, probe_callback_t)
