@@ -42,6 +42,7 @@ class LinearDraft:
         if len(self.vocab_map) != n_out or self.w_hidden.shape != (self.n_embd, self.n_embd):
             raise SpecEEError("linear draft head: inconsistent tensor shapes")
         self.k = k
+        self.quant = head.quant  # how the runtime stores the matrices, as the pack does
         self._weights = weights
         self._embeddings: dict[int, np.ndarray] = {}
 

@@ -47,8 +47,10 @@ class EngineConfig:
     n_threads: int = field(default_factory=default_threads)
     n_gpu_layers: int = 0
     kv_mode: str | None = None  # None: DEFAULT_KV_MODE where the model allows it, else FALLBACK_KV_MODE
-    threshold: float | None = None  # None: the pack's per-layer thresholds
+    threshold: float | None = None  # None: the pack's per-layer thresholds; above 1 never exits
     early_exit: bool = True
+    native: bool = True  # False: the Python exit policy, called per probe (research; slower)
+    profile: bool = False  # time the in-graph draft (one extra scheduler split per token)
 
 
 @dataclass
@@ -66,18 +68,19 @@ class Engine:
         self.model = Model(model_path, n_gpu_layers=self.config.n_gpu_layers)
         self.n_layer = self.model.info.n_layer
         self.pack_path = find_pack(model_path) if pack == AUTO else (Path(pack) if pack is not None else None)
-        self.policy = ExitPolicy.load(self.pack_path, model_path, threshold=self.config.threshold) if self.pack_path else None
+        self.policy = (ExitPolicy.load(self.pack_path, model_path, threshold=self.config.threshold,
+                                       native=self.config.native) if self.pack_path else None)
         self.ctx = Context(self.model, n_ctx=self.config.n_ctx, n_batch=self.config.n_batch,
                            n_threads=self.config.n_threads)
         self.kv_mode: str | None = None
         if self.policy:
             self.kv_mode = self._enable_early_exit(self.config.kv_mode)
             self.policy.attach(self.ctx)
+            self.ctx.set_timing(self.config.profile)
         self.early_exit = self.config.early_exit and self.policy is not None
         if self.policy:
             self.policy.set_active(self.early_exit)
         self._kv_tokens: list[int] = []  # the tokens whose K/V are in the cache, in order
-        self._hidden: np.ndarray | None = None  # h of the last cached position, for the draft
         self.stats = GenerationStats(self.n_layer, self.early_exit)
 
     def _enable_early_exit(self, kv_mode: str | None) -> str:
@@ -94,41 +97,40 @@ class Engine:
 
     def _forward(self, token: int) -> TokenRecord:
         """Decode one token; its record (id filled in later) and the logits stay in self.ctx."""
+        t0 = time.perf_counter()
         if not self.early_exit:
-            t0 = time.perf_counter()
             self.ctx.decode([token])
             return TokenRecord(-1, "", None, 0, 0, None, forward_ms=(time.perf_counter() - t0) * 1e3)
-        policy = self.policy
-        t0 = time.perf_counter()
-        candidates = policy.draft.propose(token, self._hidden)            # 1. draft: k candidates
+        self.policy.begin_token()          # the layers the schedule checks
+        self.ctx.decode([token])           # draft -> layers -> probe -> predictor -> verify -> KV, in llama_decode
         t1 = time.perf_counter()
-        policy.begin_token(candidates)                                    # 2. probes on the scheduled layers
-        exit_layer = self.ctx.decode([token])                             # 3. layers; predictor + verify in the probes
-        t2 = time.perf_counter()
-        self._hidden = policy.hidden_after(exit_layer)                    # 4. h for the next draft
-        policy.schedule.record_exit(exit_layer)                           # 5. online schedule
-        return TokenRecord(-1, "", exit_layer, policy.probes, policy.verify_failures, None,
-                           draft_ms=(t1 - t0) * 1e3, forward_ms=(t2 - t1) * 1e3,
-                           predictor_ms=policy.predictor_s * 1e3, verify_ms=policy.verify_s * 1e3)
+        step = self.policy.end_token()     # exit layer, candidates; the online schedule learns it
+        return TokenRecord(-1, "", step.exit_layer, step.probes, step.verify_failures, None,
+                           draft_ms=step.draft_ms, forward_ms=(t1 - t0) * 1e3,
+                           predictor_ms=step.predictor_ms, verify_ms=step.verify_ms)
 
     def _prefill(self, tokens: list[int]) -> None:
-        """Make the cache hold `tokens`, decoding only what it lacks; logits for the last one."""
+        """Make the cache hold `tokens`, decoding only what it lacks; logits for the last one.
+
+        What is decoded is a batch of at least two tokens (one cached token more when only one is new,
+        as after /regen): batches never exit early, whereas a single token is a step like any other.
+        """
         n_common = 0
         for a, b in zip(self._kv_tokens, tokens):
             if a != b:
                 break
             n_common += 1
-        n_common = min(n_common, len(tokens) - 1)  # decode at least one token to get logits
+        n_common = min(n_common, max(len(tokens) - 2, 0))
         if n_common < len(self._kv_tokens):
             self.ctx.truncate(n_common)
             del self._kv_tokens[n_common:]
-        if self.early_exit:  # off, the context decodes like a plain one: no capture
-            self.policy.begin_prompt()
-        self.ctx.decode(tokens[n_common:])
-        self._kv_tokens.extend(tokens[n_common:])
+        batch = tokens[n_common:]
         if self.early_exit:
-            self._hidden = self.policy.hidden_after(None)
-            self.policy.schedule.reset()
+            # with probe layers set, the batch's graph leaves its last hidden state where the first
+            # draft reads it; a one-token prompt is decoded without them (its first draft reads zeros)
+            self.policy.begin_prompt(probes=len(batch) > 1)
+        self.ctx.decode(batch)
+        self._kv_tokens.extend(batch)
 
     # --- generation ------------------------------------------------------------------------
 
@@ -215,7 +217,6 @@ class Engine:
         """After an interruption the cache may hold a token the engine did not record: drop it."""
         if self.ctx.n_past != len(self._kv_tokens):
             self.ctx.truncate(len(self._kv_tokens))
-            self._hidden = None
             self._kv_tokens = self._kv_tokens[: self.ctx.n_past]
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Generation:
@@ -250,7 +251,6 @@ class Engine:
         """Forget the conversation: clear the KV cache."""
         self.ctx.clear()
         self._kv_tokens.clear()
-        self._hidden = None
 
     def close(self) -> None:
         self.ctx.close()

@@ -15,10 +15,10 @@ class TokenRecord:
     probes: int                # predictors evaluated
     verify_failures: int       # positive predictions whose exit logits' top-1 was not a candidate
     draft_hit: bool | None     # the emitted token was among the draft's candidates (None: early exit off)
-    draft_ms: float = 0.0
-    forward_ms: float = 0.0    # llama_decode: layers, probes, predictor, verification, KV handling
-    predictor_ms: float = 0.0  # inside forward_ms: features, MLPs, schedule
-    verify_ms: float = 0.0     # inside forward_ms: reading the exit logits and checking the top-1
+    draft_ms: float = 0.0      # inside forward_ms: the in-graph draft head (measured with EngineConfig.profile)
+    forward_ms: float = 0.0    # llama_decode: draft, layers, probes, predictor, verification, KV handling
+    predictor_ms: float = 0.0  # inside forward_ms: features and MLPs
+    verify_ms: float = 0.0     # inside forward_ms: exit heads of positive predictions and the top-1 check
     sample_ms: float = 0.0
 
 

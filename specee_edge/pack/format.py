@@ -72,6 +72,7 @@ class DraftHead:
     kind: str
     tensors: dict[str, np.ndarray]
     vocab_map: np.ndarray | None = None  # reduced vocabulary: target ids of the draft's outputs
+    quant: str = "f32"  # how the pack stores its matrices (the runtime keeps them so): f32, f16, q8_0, q4_0
 
 
 @dataclass

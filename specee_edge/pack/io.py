@@ -209,7 +209,9 @@ def _decode(reader: gguf.GGUFReader, tensors: dict, path: Path) -> Pack:
         if not draft_tensors:
             raise PackError(f"{path.name}: draft head {kind!r} has no tensors")
         vocab_map = np.asarray(tensors[DRAFT_VOCAB_MAP].data, dtype=np.int64) if DRAFT_VOCAB_MAP in tensors else None
-        draft = DraftHead(kind, draft_tensors, vocab_map)
+        head = tensors.get(DRAFT_PREFIX + "head.weight")
+        quant = head.tensor_type.name.lower() if head is not None else "f32"
+        draft = DraftHead(kind, draft_tensors, vocab_map, quant)
 
     thresholds = {}
     if reader.get_field(KEY_THRESHOLDS) is not None:
