@@ -46,7 +46,8 @@ class BenchConfig:
     tokens: int = 96                 # generated per prompt (the first comes from the prompt pass)
     kv_modes: list[str] = field(default_factory=lambda: [DEFAULT_KV_MODE])
     threads: int = field(default_factory=default_threads)
-    threshold: float | None = None   # None: the pack's per-layer thresholds
+    threshold: float | None = None   # None: the pack's per-layer thresholds; above 1: exits impossible
+    python_policy: bool = False      # also a lane per KV mode with the Python exit policy (its cost, same decisions)
     ppl_tokens: int = 0              # held-out tokens for perplexity; 0: all of them
     command: str = ""
 
@@ -63,14 +64,18 @@ def pick_prompts(prompts: Sequence[Prompt], n: int) -> list[Prompt]:
 
 
 def load_engines(config: BenchConfig) -> dict[str, Engine]:
+    """An engine per lane: each KV mode natively, and as `MODE/python` with the Python policy if asked.
+    Every engine times its in-graph draft (one extra scheduler split per token) for the ms-per-part table."""
     engines = {}
     for mode in config.kv_modes:
-        engine = Engine(config.model, pack=config.pack, config=EngineConfig(
-            n_ctx=ENGINE_CTX, n_threads=config.threads, kv_mode=mode, threshold=config.threshold))
-        if engine.policy is None:
-            raise SpecEEError(f"no pack found for {config.model.name}: pass --pack, or make one with "
-                              f"`specee-edge calibrate {config.model}`")
-        engines[mode] = engine
+        for native in (True, False) if config.python_policy else (True,):
+            engine = Engine(config.model, pack=config.pack, config=EngineConfig(
+                n_ctx=ENGINE_CTX, n_threads=config.threads, kv_mode=mode, threshold=config.threshold,
+                native=native, profile=True))
+            if engine.policy is None:
+                raise SpecEEError(f"no pack found for {config.model.name}: pass --pack, or make one with "
+                                  f"`specee-edge calibrate {config.model}`")
+            engines[mode if native else f"{mode}/python"] = engine
     return engines
 
 
@@ -164,16 +169,16 @@ def exit_histogram(exit_layers: Sequence[int | None], n_layer: int) -> list[int]
 
 
 def time_split(stats: GenerationStats, step_ms: float) -> dict[str, float]:
-    """ms per decode step: draft, layers (the forward less the Python probes), predictor, verify,
-    other (bookkeeping outside the forward: the draft's hidden state, the schedule), and sample."""
+    """ms per decode step. The forward (llama_decode) holds the draft, the layers, the predictors and the
+    verification; other is what the step costs outside it (the schedule, records); sample is apart."""
     if not stats.n_decode:
         return dict.fromkeys(TIME_PARTS, 0.0)
     ms = {key: value / stats.n_decode for key, value in stats.time_ms.items()}
     return {
         "draft": ms["draft"],
-        "layers": ms["forward"] - ms["predictor"] - ms["verify"],
+        "layers": ms["forward"] - ms["draft"] - ms["predictor"] - ms["verify"],
         "predictor": ms["predictor"],
         "verify": ms["verify"],
-        "other": step_ms - ms["draft"] - ms["forward"],
+        "other": step_ms - ms["forward"],
         "sample": ms["sample"],
     }

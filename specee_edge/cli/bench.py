@@ -48,6 +48,7 @@ def bench(
     threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads [default: up to 8]")] = None,
     threshold: Annotated[float | None, typer.Option("--threshold", help="one exit threshold for every layer [default: the pack's]")] = None,
     ppl_tokens: Annotated[int, typer.Option("--ppl-tokens", help="held-out tokens for perplexity (0: all)")] = 0,
+    python_policy: Annotated[bool, typer.Option("--python-policy", help="also run each KV mode with the Python exit policy (MODE/python)")] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="write the results as JSON here")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="write the exit-layer histogram as a PNG here")] = None,
 ) -> None:
@@ -66,7 +67,7 @@ def bench(
         config = BenchConfig(
             model=resolve_model(model), pack=pack or AUTO, prompt_set=prompts, num_prompts=num_prompts,
             tokens=tokens, kv_modes=modes, threads=threads or default_threads(), threshold=threshold,
-            ppl_tokens=ppl_tokens, command=" ".join(["specee-edge", *sys.argv[1:]]),
+            ppl_tokens=ppl_tokens, python_policy=python_policy, command=" ".join(["specee-edge", *sys.argv[1:]]),
         )
         columns = (TextColumn("{task.description:>9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=err_console, transient=True, auto_refresh=False) as progress:
