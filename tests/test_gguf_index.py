@@ -12,8 +12,8 @@ from gguf import GGMLQuantizationType, GGUFEndian, GGUFValueType
 from specee_edge.default_model import default_model_path
 from specee_edge.errors import ModelLoadError
 from specee_edge.pack.format import TargetIdentity
-from specee_edge.pack.target import fingerprint, open_gguf, target_identity
-from specee_edge.runtime.gguf_index import GGUFIndex, GGUFStrings
+from specee_edge.gguf_index import GGUFIndex, GGUFStrings
+from specee_edge.pack.target import fingerprint, target_identity
 from specee_edge.runtime.weights import TargetWeights
 from tests.conftest import tiny_model_path
 from tests.tiny_gguf import ARCHS, CORRUPT_KINDS, WEIGHT_TYPES, write_corrupt_model
@@ -128,7 +128,7 @@ def test_lazy_strings(default_pair):
 def test_open_is_fast(default_pair):
     path = default_pair[0]
     start = time.perf_counter()
-    open_gguf(path)
+    GGUFIndex(path)
     assert time.perf_counter() - start < 1.0  # ~25 ms idle; gguf.GGUFReader takes seconds
 
 

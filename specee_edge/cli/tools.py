@@ -38,7 +38,7 @@ def version() -> None:
 @app.command()
 def info(path: Annotated[Path, typer.Argument(help="a model GGUF or a specee pack")]) -> None:
     """Summarize a model GGUF or a pack: architecture, layers, sizes, schedule, predictors, provenance."""
-    from specee_edge.pack.summary import summarize
+    from specee_edge.cli.info import summarize
 
     try:
         console.print(summarize(path))

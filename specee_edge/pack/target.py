@@ -7,23 +7,13 @@ from pathlib import Path
 
 from specee_edge.errors import ModelLoadError, SpecEEError
 from specee_edge.pack.format import TargetIdentity
-from specee_edge.runtime.gguf_index import GGUFIndex
+from specee_edge.gguf_index import GGUFIndex
 
 FINGERPRINT_DATA_BYTES = 1 << 20  # the header plus this much tensor data: cheap, and unique in practice
 
 
 class PackMismatchError(SpecEEError):
     """A pack made for another model."""
-
-
-def field_value(reader: GGUFIndex, key: str):
-    """A metadata value, None when missing (see `GGUFIndex.value`)."""
-    return reader.value(key)
-
-
-def open_gguf(path: Path) -> GGUFIndex:
-    """The file's header index (milliseconds); ModelLoadError for a missing, non-GGUF or damaged file."""
-    return GGUFIndex(path)
 
 
 def fingerprint(path: Path, reader: GGUFIndex) -> str:
@@ -38,11 +28,11 @@ def fingerprint(path: Path, reader: GGUFIndex) -> str:
 
 
 def target_identity(path: Path, reader: GGUFIndex | None = None) -> TargetIdentity:
-    """`reader`: the file already opened with `open_gguf` (saves reopening it)."""
-    reader = reader or open_gguf(path)
-    arch = field_value(reader, "general.architecture")
-    n_layer = field_value(reader, f"{arch}.block_count")
-    n_embd = field_value(reader, f"{arch}.embedding_length")
+    """`reader`: the file's index if already open (saves reopening it)."""
+    reader = reader or GGUFIndex(path)
+    arch = reader.value("general.architecture")
+    n_layer = reader.value(f"{arch}.block_count")
+    n_embd = reader.value(f"{arch}.embedding_length")
     n_vocab = reader.array_len("tokenizer.ggml.tokens")
     if arch is None or n_layer is None or n_embd is None or n_vocab is None:
         raise ModelLoadError(f"{path} is not a model GGUF (no architecture, layer count or vocabulary)")

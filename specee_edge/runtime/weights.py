@@ -13,16 +13,16 @@ import gguf
 import numpy as np
 
 from specee_edge.errors import ModelLoadError
-from specee_edge.pack.target import field_value, open_gguf
+from specee_edge.gguf_index import GGUFIndex
 
 
 class TargetWeights:
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.reader = open_gguf(self.path)
+        self.reader = GGUFIndex(self.path)
         self._tensors = {t.name: t for t in self.reader.tensors}
-        arch = field_value(self.reader, "general.architecture")
-        self.rms_eps = float(field_value(self.reader, f"{arch}.attention.layer_norm_rms_epsilon") or 1e-6)
+        arch = self.reader.value("general.architecture")
+        self.rms_eps = float(self.reader.value(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-6)
         self._embd = self._tensor("token_embd.weight")
         # a tied LM head has no output.weight: it reads the embedding table
         self._head = self._tensors.get("output.weight", self._embd)
