@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from specee_edge.bench.run import pick_prompts
 from specee_edge.bench.runner import VanillaLane
-from specee_edge.calibrate.prompts import Prompt
+from specee_edge.data.prompts import Prompt
 from specee_edge.cli import app
 from specee_edge.engine import DEFAULT_KV_MODE
 from tests.conftest import CHAT_PROMPT

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from specee_edge.calibrate import CalibrateConfig, calibrate
 from specee_edge.calibrate.draft_fit import draft_vocabulary
-from specee_edge.calibrate.prompts import bench_prompts, load_prompts, split
+from specee_edge.data.prompts import bench_prompts, load_prompts, split
 from specee_edge.cli import app
 from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.errors import SpecEEError

@@ -21,7 +21,7 @@ import numpy as np
 from specee_edge.errors import SpecEEError
 from specee_edge.pack.format import DraftHead, Pack, Schedule, TargetIdentity
 from specee_edge.pack.safetensors import read_safetensors
-from specee_edge.predictor import MLPPredictor
+from specee_edge.pack.mlp import MLPPredictor
 
 PAPER_KEY = re.compile(r"^model\.layers\.(\d+)\.pred\.(up|down)\.(weight|bias)$")
 NPZ_KEY = re.compile(r"^layer(\d+)\.(weight|bias)(\d+)$")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specee_edge.predictor import MLPPredictor
+from specee_edge.pack.mlp import MLPPredictor
 
 PACK_ARCH = "specee-pack"  # general.architecture of every pack
 FORMAT_VERSION = 1

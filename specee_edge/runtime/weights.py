@@ -1,4 +1,5 @@
-"""The few target-model tensors that live outside llama.cpp's graph: token embeddings, final norm, LM head.
+"""The few target-model tensors that live outside llama.cpp's graph: token embeddings, final norm, LM head
+(and the logit lens through them, which calibrate and bench share).
 
 Read from the model GGUF's memory map (through `GGUFIndex`) and dequantized on demand with gguf-py, so the
 draft head can look up one embedding row per token without loading the whole table.
@@ -6,6 +7,7 @@ draft head can look up one embedding row per token without loading the whole tab
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 
@@ -14,6 +16,8 @@ import numpy as np
 
 from specee_edge.errors import ModelLoadError
 from specee_edge.gguf_index import GGUFIndex
+
+LENS_ROWS = 512  # rows per lens matmul: [rows, n_vocab] float32 stays near 100 MB
 
 
 class TargetWeights:
@@ -63,3 +67,15 @@ class TargetWeights:
 def final_norm(hidden: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
     h = np.asarray(hidden, dtype=np.float32)
     return h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * gamma
+
+
+def lens_top1(hidden: np.ndarray, weights: TargetWeights, progress: Callable[[int], None] = lambda n: None) -> np.ndarray:
+    """argmax over the vocabulary of final_norm(h) through the LM head, for [..., n_embd] hidden states."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    out = np.empty(len(flat), dtype=np.int32)
+    head_t = np.ascontiguousarray(weights.lm_head.T)
+    for i in range(0, len(flat), LENS_ROWS):
+        chunk = weights.final_norm(flat[i : i + LENS_ROWS].astype(np.float32))
+        out[i : i + LENS_ROWS] = np.argmax(chunk @ head_t, axis=1)
+        progress(len(chunk))
+    return out.reshape(hidden.shape[:-1])
