@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+from pathlib import Path
 
 import gguf
 import joblib
@@ -13,7 +16,9 @@ from typer.testing import CliRunner
 
 import specee_edge.pack.io as pack_io
 from specee_edge.cli import app
+from specee_edge.default_model import default_model_path
 from specee_edge.errors import SpecEEError
+from specee_edge.gguf_index import GGUFIndex
 from specee_edge.pack import (
     DraftHead,
     Pack,
@@ -26,6 +31,7 @@ from specee_edge.pack import (
     write_pack,
 )
 from specee_edge.pack.convert import convert
+from specee_edge.pack.target import FINGERPRINT_DATA_BYTES
 from specee_edge.pack.safetensors import write_safetensors
 from specee_edge.predictor import MLPPredictor
 from tests.conftest import tiny_model_path
@@ -194,6 +200,39 @@ def test_pack_for_another_model_is_refused(tiny, default_model, tmp_path):
     other = target_identity(default_model.info.path)
     with pytest.raises(PackMismatchError, match=r"made for another model.*4 layers.*30 layers"):
         check_target(pack.target, other, tmp_path / "p.gguf", default_model.info.path)
+
+
+def test_fingerprint_hashes_plain_integers(tiny, tmp_path):
+    """The tensor table as `name:[d0, d1]:type;` (no numpy text, which differs between NumPy 1 and 2)."""
+    path, target = tiny
+    index = GGUFIndex(path)
+    digest = hashlib.sha256()
+    for t in index.tensors:
+        digest.update(f"{t.name}:[{', '.join(str(int(d)) for d in t.shape)}]:{int(t.tensor_type)};".encode())
+    with path.open("rb") as f:
+        f.seek(index.data_offset)
+        digest.update(f.read(FINGERPRINT_DATA_BYTES))
+    assert target.fingerprint == digest.hexdigest() != target.legacy_fingerprint
+    # new packs hold this form
+    assert read_pack(write_pack(tmp_path / "p.gguf", sample_pack(target))).target.fingerprint == target.fingerprint
+
+
+def test_pack_with_either_fingerprint_form_is_accepted(tiny, tmp_path):
+    path, target = tiny
+    for fingerprint in (target.fingerprint, target.legacy_fingerprint):
+        pack = read_pack(write_pack(tmp_path / "p.gguf", sample_pack(dataclasses.replace(target, fingerprint=fingerprint))))
+        check_target(pack.target, target, tmp_path / "p.gguf", path)
+    pack = read_pack(write_pack(tmp_path / "p.gguf", sample_pack(dataclasses.replace(target, fingerprint="0" * 64))))
+    with pytest.raises(PackMismatchError, match="made for another model"):
+        check_target(pack.target, target, tmp_path / "p.gguf", path)
+
+
+def test_shipped_pack_holds_the_legacy_fingerprint_of_the_default_model():
+    """The legacy text, written out without numpy's repr, reproduces what the shipped pack was made with."""
+    shipped = read_pack(Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct.Q4_1.specee.gguf")
+    model = target_identity(default_model_path())
+    assert shipped.target.fingerprint == model.legacy_fingerprint
+    assert model.accepts(shipped.target)
 
 
 # --- hostile packs -------------------------------------------------------------------------------
