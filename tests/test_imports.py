@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specee_edge.shipped import shipped_dir
 from tests.conftest import tiny_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,11 +26,11 @@ LAYERS = (
     ("draft", "predictor"),
     ("pack",),
     ("runtime",),
-    ("gguf_index", "default_model", "threads", "data"),
+    ("gguf_index", "default_model", "shipped", "threads", "data"),
     ("errors", ""),
 )
 RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}
-SHIPPED_PACK = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.specee.gguf"
+SHIPPED_PACK = shipped_dir() / "SmolLM2-135M-Instruct.Q4_1.specee.gguf"
 
 # `specee-edge ARGS...` in a fresh interpreter where importing llama_cpp fails, as where it is not built
 WITHOUT_LLAMA_CPP = """

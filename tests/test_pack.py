@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from pathlib import Path
 
 import gguf
 import joblib
@@ -31,9 +30,10 @@ from specee_edge.pack import (
     write_pack,
 )
 from specee_edge.pack.convert import convert
-from specee_edge.pack.target import FINGERPRINT_DATA_BYTES
 from specee_edge.pack.safetensors import write_safetensors
+from specee_edge.pack.target import FINGERPRINT_DATA_BYTES
 from specee_edge.predictor import MLPPredictor
+from specee_edge.shipped import shipped_dir
 from tests.conftest import tiny_model_path
 from tests.tiny_gguf import write_corrupt_model
 
@@ -245,7 +245,7 @@ def test_pack_with_either_fingerprint_form_is_accepted(tiny, tmp_path):
 
 def test_shipped_pack_holds_the_legacy_fingerprint_of_the_default_model():
     """The legacy text, written out without numpy's repr, reproduces what the shipped pack was made with."""
-    shipped = read_pack(Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct.Q4_1.specee.gguf")
+    shipped = read_pack(shipped_dir() / "SmolLM2-135M-Instruct.Q4_1.specee.gguf")
     model = target_identity(default_model_path())
     assert shipped.target.fingerprint == model.legacy_fingerprint
     assert model.accepts(shipped.target)
