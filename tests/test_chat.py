@@ -165,6 +165,7 @@ def test_repl_multiline_history_and_exits(env, bare_model):
     term.send("\x1b[A\r")  # arrow up: the last message again
     term.expect(r"Say hello\nto me\.\n(?:.+\n)?" + FOOTER)  # the block came back as one message
     term.prompt()
+    time.sleep(0.3)  # as above: the prompt is drawn before readline waits for keys, and a signal then waits for one
     term.send("\x03")  # Ctrl+C at an empty prompt leaves
     assert term.exit_code() == 0
     assert (Path(env["SPECEE_CACHE"]) / "chat_history").is_file()
