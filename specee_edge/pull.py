@@ -24,11 +24,11 @@ from pathlib import Path
 
 from specee_edge.default_model import default_model_path
 from specee_edge.errors import ModelLoadError, SpecEEError
+from specee_edge.shipped import shipped_dir
 
 REGISTRY_ENV = "SPECEE_REGISTRY"
 CACHE_ENV = "SPECEE_CACHE"
-# The package is installed editable from its repository, whose models/ holds the registry.
-REPO_REGISTRY = Path(__file__).resolve().parent.parent / "models" / "registry.json"
+SHIPPED_REGISTRY = shipped_dir() / "registry.json"
 _CHUNK = 1 << 20
 # Substrings of pip's output when the index could not be reached at all.
 _NETWORK_SIGNS = (
@@ -113,11 +113,11 @@ Reporter = Callable[[PullProgress], None]
 
 
 def registry_path(path: Path | None = None) -> Path:
-    """`path`, else $SPECEE_REGISTRY, else the repository's models/registry.json."""
+    """`path`, else $SPECEE_REGISTRY, else the shipped models/registry.json."""
     if path is not None:
         return path
     configured = os.environ.get(REGISTRY_ENV)
-    return Path(configured).expanduser() if configured else REPO_REGISTRY
+    return Path(configured).expanduser() if configured else SHIPPED_REGISTRY
 
 
 def load_registry(path: Path | None = None) -> dict[str, RegistryEntry]:
@@ -127,8 +127,8 @@ def load_registry(path: Path | None = None) -> dict[str, RegistryEntry]:
         raw = json.loads(where.read_text())
     except FileNotFoundError:
         raise RegistryError(
-            f"the model registry {where} is missing: install specee-edge from its repository "
-            f"(pip install -e .) or set {REGISTRY_ENV}"
+            f"the model registry {where} is missing: reinstall specee-edge (its wheel carries models/)"
+            f" or set {REGISTRY_ENV}"
         ) from None
     except (OSError, ValueError) as e:
         raise RegistryError(f"cannot read the model registry {where}: {e}") from None

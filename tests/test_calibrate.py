@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ from typer.testing import CliRunner
 
 from specee_edge.calibrate import CalibrateConfig, calibrate
 from specee_edge.calibrate.draft_fit import draft_vocabulary
-from specee_edge.calibrate.prompts import bench_prompts, load_prompts, split
+from specee_edge.data.prompts import bench_prompts, load_prompts, split
 from specee_edge.cli import app
 from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.errors import SpecEEError
@@ -31,14 +30,11 @@ def tiny_run(tmp_path_factory, tiny_dir):
     model = tiny_model_path(tiny_dir, "llama", n_layer=6)
     config = CalibrateConfig(model=model, output=work / "tiny.specee.gguf", workdir=work / "work", tokens=240,
                              prompts=prompts, max_answer=32, threads=2, hidden=32, command="test")
-    t0 = time.perf_counter()
-    report = calibrate(config)
-    return config, report, time.perf_counter() - t0
+    return config, calibrate(config)
 
 
 def test_calibrate_tiny_model_end_to_end(tiny_run):
-    config, report, seconds = tiny_run
-    assert seconds < 60
+    config, report = tiny_run
     pack = read_pack(config.output)
     assert pack.target == target_identity(config.model)
     assert pack.draft is not None and pack.draft.kind == "linear"
@@ -59,16 +55,15 @@ def test_calibrate_tiny_model_end_to_end(tiny_run):
 
 
 def test_calibrate_resumes_from_its_work_dir(tiny_run):
-    config, _, _ = tiny_run
+    config, _ = tiny_run
     shards = sorted((config.workdir / "collect").glob("*.npz"))
     stamps = [p.stat().st_mtime_ns for p in shards]
-    report = calibrate(config)
-    assert [p.stat().st_mtime_ns for p in shards] == stamps  # nothing answered again
-    assert report.seconds["answers"] < 5
+    calibrate(config)
+    assert shards and [p.stat().st_mtime_ns for p in shards] == stamps  # nothing answered again
 
 
 def test_work_dir_of_another_model_is_refused(tiny_run, tiny_dir):
-    config, _, _ = tiny_run
+    config, _ = tiny_run
     other = CalibrateConfig(model=tiny_model_path(tiny_dir, "qwen2"), output=config.output.with_name("x.gguf"),
                             workdir=config.workdir, prompts=config.prompts, tokens=64)
     with pytest.raises(SpecEEError, match="another model"):

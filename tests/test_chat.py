@@ -23,9 +23,10 @@ from specee_edge.cli.render import depth_legend, depth_style, footer
 from specee_edge.cli.repl import Repl, ReplSettings
 from specee_edge.default_model import default_model_path
 from specee_edge.engine import GREEDY, Engine, EngineConfig, GenerationStats, SamplingParams
+from specee_edge.shipped import shipped_dir
 
 CLI = str(Path(sys.executable).with_name("specee-edge"))
-PACK = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct.Q4_1.specee.gguf"
+PACK = shipped_dir() / "SmolLM2-135M-Instruct.Q4_1.specee.gguf"
 FAST = ["--temp", "0", "-t", "1"]
 FOOTER = r"\[ prompt [\d.]+ t/s \| generation [\d.]+ t/s \| [^\]\n]+ \]"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r|\x07")
@@ -164,6 +165,7 @@ def test_repl_multiline_history_and_exits(env, bare_model):
     term.send("\x1b[A\r")  # arrow up: the last message again
     term.expect(r"Say hello\nto me\.\n(?:.+\n)?" + FOOTER)  # the block came back as one message
     term.prompt()
+    time.sleep(0.3)  # as above: the prompt is drawn before readline waits for keys, and a signal then waits for one
     term.send("\x03")  # Ctrl+C at an empty prompt leaves
     assert term.exit_code() == 0
     assert (Path(env["SPECEE_CACHE"]) / "chat_history").is_file()

@@ -53,9 +53,16 @@ def full_model_argmax(engine: Engine, prompt: list[int], generated: list[int]) -
     return argmax
 
 
-def test_pack_is_found_beside_or_shipped(engine):
+def test_pack_is_found_beside_or_shipped(engine, tmp_path):
     assert find_pack(engine.model.info.path) == SHIPPED_PACK
     assert engine.policy is not None and engine.early_exit
+    model = tmp_path / engine.model.info.path.name
+    model.symlink_to(engine.model.info.path)
+    assert find_pack(model) == SHIPPED_PACK  # by the file's name
+    beside = tmp_path / SHIPPED_PACK.name
+    beside.write_bytes(b"")
+    assert find_pack(model) == beside  # a pack beside the model comes first
+    assert find_pack(tmp_path / "other.gguf") is None
 
 
 def test_early_exit_off_matches_stock_llama(engine, default_model):
@@ -144,14 +151,29 @@ def test_closed_stream_leaves_the_engine_usable(engine):
     assert engine.generate(CHAT_PROMPT, max_tokens=24, sampling=GREEDY).tokens == expected
 
 
-def test_next_turn_reuses_the_cache(engine):
+def test_next_turn_reuses_the_cache(engine, monkeypatch):
+    """The second turn decodes only what the cache lacks: the tokens the context is given are counted."""
     engine.reset()
     messages = [{"role": "user", "content": "Name a colour."}]
-    first = engine.chat(messages, max_tokens=16, sampling=GREEDY)
+    first_prompt = chat_tokens(engine, messages[0]["content"])
+    first = engine.generate(first_prompt, max_tokens=16, sampling=GREEDY)
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And another one?"}]
-    cached = len(engine._kv_tokens)
-    second = engine.chat(messages, max_tokens=16, sampling=GREEDY)
-    assert second.stats.n_prompt > cached and engine.ctx.n_past > cached
+    prompt = engine.tokenize(engine.format_chat(messages))
+    cached = list(engine._kv_tokens)
+    n_common = next((i for i, (a, b) in enumerate(zip(cached, prompt)) if a != b), min(len(cached), len(prompt)))
+    assert n_common >= len(first_prompt)  # the first turn's prompt at least is in the cache
+
+    decoded: list[int] = []
+    decode = engine.ctx.decode
+
+    def counting_decode(tokens):
+        decoded.extend(tokens)
+        return decode(tokens)
+
+    monkeypatch.setattr(engine.ctx, "decode", counting_decode)
+    second = engine.generate(prompt, max_tokens=16, sampling=GREEDY)
+    # what the cache lacked, then each generated token but the last (which is never fed back)
+    assert decoded == prompt[n_common:] + second.tokens[:-1]
 
 
 def test_full_context(default_model):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 
 import gguf
@@ -13,7 +15,9 @@ from typer.testing import CliRunner
 
 import specee_edge.pack.io as pack_io
 from specee_edge.cli import app
+from specee_edge.default_model import default_model_path
 from specee_edge.errors import SpecEEError
+from specee_edge.gguf_index import GGUFIndex
 from specee_edge.pack import (
     DraftHead,
     Pack,
@@ -27,7 +31,9 @@ from specee_edge.pack import (
 )
 from specee_edge.pack.convert import convert
 from specee_edge.pack.safetensors import write_safetensors
+from specee_edge.pack.target import FINGERPRINT_DATA_BYTES
 from specee_edge.predictor import MLPPredictor
+from specee_edge.shipped import shipped_dir
 from tests.conftest import tiny_model_path
 from tests.tiny_gguf import write_corrupt_model
 
@@ -43,7 +49,16 @@ def random_predictor(hidden: int = 512, n_features: int = 3 * K) -> MLPPredictor
     )
 
 
+def linear_draft_tensors(n_embd: int, n_out: int = 100) -> dict[str, np.ndarray]:
+    """The tensors of the linear draft head `calibrate` trains (specee_edge/draft/linear.py)."""
+    return {"fc.weight": (RNG.standard_normal((n_embd, 2 * n_embd)) * 0.05).astype(np.float32),
+            "fc.bias": np.zeros(n_embd, np.float32),
+            "head.weight": (RNG.standard_normal((n_out, n_embd)) * 0.05).astype(np.float32),
+            "norm.weight": np.ones(n_embd, np.float32), "norm.eps": np.array([1e-5], np.float32)}
+
+
 def eagle_tensors(n_embd: int) -> dict[str, np.ndarray]:
+    """An EAGLE-1 draft head as its authors release it (which convert refuses: the engine cannot run it)."""
     def w(*shape):
         return (RNG.standard_normal(shape) * 0.05).astype(np.float16)
 
@@ -70,8 +85,8 @@ def sample_pack(target, *, draft: bool = True) -> Pack:
         threshold=0.5,
         schedule=Schedule(offline=[1, 2]),
         predictors={layer: random_predictor(hidden=64) for layer in (0, 1, 2)},
-        draft=DraftHead("eagle1", {k: v.astype(np.float32) for k, v in eagle_tensors(target.n_embd).items()},
-                        vocab_map=np.arange(100, dtype=np.int64)) if draft else None,
+        draft=DraftHead("linear", linear_draft_tensors(target.n_embd), vocab_map=np.arange(100, dtype=np.int64))
+        if draft else None,
         provenance={"command": "test", "samples_per_layer": [10, 20, 30]},
     )
 
@@ -163,15 +178,26 @@ def paper_safetensors(path, layers, hidden=512):
     return reference
 
 
-def test_convert_paper_safetensors_and_eagle_draft(tiny, tmp_path):
+def test_convert_paper_safetensors_with_a_predictor_on_every_layer(tiny, tmp_path):
+    """The paper's file has predictors on layers 0..n_layer-1: the last one is left out, with one line."""
+    _, target = tiny  # 4 layers: predictors on 0..2
+    source = tmp_path / "model-predictor.safetensors"
+    reference = paper_safetensors(source, layers=range(target.n_layer))
+    notes = []
+    pack = convert([str(source)], target, note=notes.append)
+    back = read_pack(write_pack(tmp_path / "p.gguf", pack))
+    assert sorted(back.predictors) == back.schedule.offline == [0, 1, 2]
+    for il in (0, 1, 2):
+        np.testing.assert_allclose(back.predictors[il](FEATURES), reference[il](FEATURES), atol=1e-5)
+    assert notes == [f"{source}: left out the predictor of layer 3: the last layer always runs, so it can never fire"]
+
+
+def test_convert_refuses_eagle_draft_heads(tiny, tmp_path):
     _, target = tiny
-    reference = paper_safetensors(tmp_path / "model-predictor.safetensors", layers=[0, 1, 2])
     write_safetensors(tmp_path / "eagle.safetensors", eagle_tensors(target.n_embd))
-    pack = convert([str(tmp_path / "model-predictor.safetensors"), str(tmp_path / "eagle.safetensors")], target)
-    back = read_pack(write_pack(tmp_path / "p.gguf", pack, draft_quant="q8_0"))
-    for il, p in reference.items():
-        np.testing.assert_allclose(back.predictors[il](FEATURES), p(FEATURES), atol=1e-5)
-    assert back.draft.kind == "eagle1" and back.draft.tensors["fc.weight"].shape == (target.n_embd, 2 * target.n_embd)
+    paper_safetensors(tmp_path / "ok.safetensors", layers=[1], hidden=8)
+    with pytest.raises(SpecEEError, match=r"an EAGLE draft head; the engine runs only the linear draft head"):
+        convert([str(tmp_path / "ok.safetensors"), str(tmp_path / "eagle.safetensors")], target)
 
 
 def test_convert_refuses_sources_that_do_not_fit_the_target(tiny, tmp_path):
@@ -179,10 +205,6 @@ def test_convert_refuses_sources_that_do_not_fit_the_target(tiny, tmp_path):
     paper_safetensors(tmp_path / "llama2.safetensors", layers=[15, 16, 17], hidden=8)
     with pytest.raises(SpecEEError, match=r"layers \[15, 16, 17\].*4 layers"):
         convert([str(tmp_path / "llama2.safetensors")], target)
-    write_safetensors(tmp_path / "eagle.safetensors", eagle_tensors(target.n_embd * 2))
-    paper_safetensors(tmp_path / "ok.safetensors", layers=[1], hidden=8)
-    with pytest.raises(SpecEEError, match=rf"fc.weight is \[{2 * target.n_embd}, .*n_embd {target.n_embd}"):
-        convert([str(tmp_path / "ok.safetensors"), str(tmp_path / "eagle.safetensors")], target)
     with pytest.raises(SpecEEError, match="unknown source type"):
         convert([str(tiny[0])], target)
 
@@ -194,6 +216,39 @@ def test_pack_for_another_model_is_refused(tiny, default_model, tmp_path):
     other = target_identity(default_model.info.path)
     with pytest.raises(PackMismatchError, match=r"made for another model.*4 layers.*30 layers"):
         check_target(pack.target, other, tmp_path / "p.gguf", default_model.info.path)
+
+
+def test_fingerprint_hashes_plain_integers(tiny, tmp_path):
+    """The tensor table as `name:[d0, d1]:type;` (no numpy text, which differs between NumPy 1 and 2)."""
+    path, target = tiny
+    index = GGUFIndex(path)
+    digest = hashlib.sha256()
+    for t in index.tensors:
+        digest.update(f"{t.name}:[{', '.join(str(int(d)) for d in t.shape)}]:{int(t.tensor_type)};".encode())
+    with path.open("rb") as f:
+        f.seek(index.data_offset)
+        digest.update(f.read(FINGERPRINT_DATA_BYTES))
+    assert target.fingerprint == digest.hexdigest() != target.legacy_fingerprint
+    # new packs hold this form
+    assert read_pack(write_pack(tmp_path / "p.gguf", sample_pack(target))).target.fingerprint == target.fingerprint
+
+
+def test_pack_with_either_fingerprint_form_is_accepted(tiny, tmp_path):
+    path, target = tiny
+    for fingerprint in (target.fingerprint, target.legacy_fingerprint):
+        pack = read_pack(write_pack(tmp_path / "p.gguf", sample_pack(dataclasses.replace(target, fingerprint=fingerprint))))
+        check_target(pack.target, target, tmp_path / "p.gguf", path)
+    pack = read_pack(write_pack(tmp_path / "p.gguf", sample_pack(dataclasses.replace(target, fingerprint="0" * 64))))
+    with pytest.raises(PackMismatchError, match="made for another model"):
+        check_target(pack.target, target, tmp_path / "p.gguf", path)
+
+
+def test_shipped_pack_holds_the_legacy_fingerprint_of_the_default_model():
+    """The legacy text, written out without numpy's repr, reproduces what the shipped pack was made with."""
+    shipped = read_pack(shipped_dir() / "SmolLM2-135M-Instruct.Q4_1.specee.gguf")
+    model = target_identity(default_model_path())
+    assert shipped.target.fingerprint == model.legacy_fingerprint
+    assert model.accepts(shipped.target)
 
 
 # --- hostile packs -------------------------------------------------------------------------------
@@ -298,19 +353,20 @@ def test_fuzzed_packs_never_crash_or_pass_invalid(tiny, tmp_path):
 
 def test_cli_convert_and_info(tiny, tmp_path):
     path, target = tiny
-    paper_safetensors(tmp_path / "preds.safetensors", layers=[0, 2])
-    write_safetensors(tmp_path / "eagle.safetensors", eagle_tensors(target.n_embd))
+    paper_safetensors(tmp_path / "preds.safetensors", layers=[0, 2, 3])
     runner = CliRunner()
     out = tmp_path / "tiny.specee.gguf"
-    result = runner.invoke(app, ["convert", str(tmp_path / "preds.safetensors"), str(tmp_path / "eagle.safetensors"),
-                                 "-o", str(out), "--model", str(path), "--quant", "q4_0"])
+    result = runner.invoke(app, ["convert", str(tmp_path / "preds.safetensors"), "-o", str(out), "--model", str(path)])
     assert result.exit_code == 0, result.output
-    assert "2 predictors (k = 4) and a eagle1 draft head" in result.output
+    assert result.output.splitlines() == [
+        f"{tmp_path / 'preds.safetensors'}: left out the predictor of layer 3: the last layer always runs, so it can never fire",
+        f"wrote {out}: 2 predictors (k = 4) for {path.name}",
+    ]
     assert "specee-edge convert" in json.dumps(read_pack(out).provenance)
 
     result = runner.invoke(app, ["info", str(out)])
     assert result.exit_code == 0, result.output
-    for text in ("candidates (k)", "12 -> 512 -> 1", "eagle1", "provenance", "llama, 4 layers"):
+    for text in ("candidates (k)", "12 -> 512 -> 1", "draft head", "provenance", "llama, 4 layers"):
         assert text in result.output
 
     result = runner.invoke(app, ["info", str(path)])
@@ -322,9 +378,10 @@ def test_cli_errors_are_one_line(tiny, tmp_path):
     path, _ = tiny
     runner = CliRunner()
     garbage = write_corrupt_model(tmp_path / "garbage.gguf", "garbage")
+    write_safetensors(tmp_path / "eagle.safetensors", eagle_tensors(target_identity(path).n_embd))
     for args in (["info", str(garbage)], ["info", str(tmp_path / "nope.gguf")],
                  ["convert", str(tmp_path / "nope.npz"), "-o", str(tmp_path / "x.gguf"), "--model", str(path)],
-                 ["convert", "a.npz", "-o", "x.gguf", "--model", str(path), "--quant", "q3"]):
+                 ["convert", str(tmp_path / "eagle.safetensors"), "-o", str(tmp_path / "x.gguf"), "--model", str(path)]):
         result = runner.invoke(app, args)
         assert result.exit_code == 1
         assert result.output.strip().count("\n") == 0 and "error:" in result.output

@@ -20,7 +20,7 @@ from specee_edge.cli import app
 from specee_edge.default_model import default_model_path
 from specee_edge.errors import ModelLoadError
 from specee_edge.pull import (
-    REPO_REGISTRY,
+    SHIPPED_REGISTRY,
     ChecksumError,
     MissingPartError,
     ModelNotPulledError,
@@ -225,7 +225,7 @@ def test_resolve_model(tmp_path):
 
 
 def test_shipped_registry():
-    entries = load_registry(REPO_REGISTRY)
+    entries = load_registry(SHIPPED_REGISTRY)
     assert list(entries) == ["smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct"]
     qwen = entries["qwen2.5-coder-1.5b-instruct"]
     assert (qwen.arch, qwen.n_layer, len(qwen.parts)) == ("qwen2", 28, 22)
@@ -233,8 +233,8 @@ def test_shipped_registry():
     # The default model's wheel is installed by `make setup`: pull verifies it in place.
     smollm2 = entries["smollm2-135m-instruct"]
     assert pulled_path(smollm2) == default_model_path()
-    assert pull("smollm2-135m-instruct", registry=REPO_REGISTRY, pip_args=["--no-index"]) == default_model_path()
-    assert resolve_model("smollm2-135m-instruct", registry=REPO_REGISTRY) == default_model_path()
+    assert pull("smollm2-135m-instruct", registry=SHIPPED_REGISTRY, pip_args=["--no-index"]) == default_model_path()
+    assert resolve_model("smollm2-135m-instruct", registry=SHIPPED_REGISTRY) == default_model_path()
 
 
 def test_bad_registry(tmp_path):

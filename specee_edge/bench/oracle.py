@@ -16,9 +16,8 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from specee_edge.bench.runner import Timing
-from specee_edge.calibrate.dataset import lens_top1
 from specee_edge.runtime import Context, Model
-from specee_edge.runtime.weights import TargetWeights
+from specee_edge.runtime.weights import TargetWeights, lens_top1
 
 STOP_FRACTIONS = (0.25, 0.5, 0.75)  # forced stops at these shares of the depth, plus full depth
 

@@ -16,12 +16,12 @@ from specee_edge.bench.oracle import Oracle, TimeModel, oracle_depths, stop_lane
 from specee_edge.bench.quality import agreement, exact_prefix, perplexity
 from specee_edge.bench.report import TIME_PARTS, BenchResult, ModeResult
 from specee_edge.bench.runner import SpecEELane, VanillaLane, run_interleaved
-from specee_edge.calibrate.prompts import Prompt, bench_prompts, heldout_text
+from specee_edge.data.prompts import Prompt, bench_prompts, heldout_text
 from specee_edge.engine import AUTO, DEFAULT_KV_MODE, Engine, EngineConfig, GenerationStats
-from specee_edge.engine.engine import default_threads
 from specee_edge.errors import SpecEEError
 from specee_edge.runtime import Context
 from specee_edge.runtime.weights import TargetWeights
+from specee_edge.threads import default_threads
 
 ENGINE_CTX = 2048  # the engines' context: a prompt and its answer, or the held-out text
 

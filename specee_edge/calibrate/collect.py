@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specee_edge.calibrate.prompts import Prompt
+from specee_edge.data.prompts import Prompt
 from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.runtime import Context
 

@@ -13,9 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from specee_edge.calibrate.collect import Shard
-from specee_edge.runtime.weights import TargetWeights
-
-LENS_ROWS = 512  # rows per lens matmul: [rows, n_vocab] float32 stays near 100 MB
+from specee_edge.runtime.weights import TargetWeights, lens_top1
 
 
 @dataclass
@@ -42,18 +40,6 @@ class Dataset:
 
     def rows(self, prompts: np.ndarray) -> np.ndarray:
         return np.flatnonzero(np.isin(self.prompt, prompts))
-
-
-def lens_top1(hidden: np.ndarray, weights: TargetWeights, progress: Callable[[int], None] = lambda n: None) -> np.ndarray:
-    """argmax over the vocabulary of final_norm(h) through the LM head, for [..., n_embd] hidden states."""
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    out = np.empty(len(flat), dtype=np.int32)
-    head_t = np.ascontiguousarray(weights.lm_head.T)
-    for i in range(0, len(flat), LENS_ROWS):
-        chunk = weights.final_norm(flat[i : i + LENS_ROWS].astype(np.float32))
-        out[i : i + LENS_ROWS] = np.argmax(chunk @ head_t, axis=1)
-        progress(len(chunk))
-    return out.reshape(hidden.shape[:-1])
 
 
 def build(shards: list[Shard], weights: TargetWeights, first_layer: int = 0,

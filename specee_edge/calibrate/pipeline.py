@@ -29,15 +29,15 @@ from specee_edge.calibrate.predictor_fit import (
     simulate,
     train_predictors,
 )
-from specee_edge.calibrate.prompts import load_prompts, split
 from specee_edge.calibrate.report import CalibrationReport, LayerReport
+from specee_edge.data.prompts import load_prompts, split
 from specee_edge.draft import LinearDraft
-from specee_edge.engine.engine import default_threads
 from specee_edge.errors import SpecEEError
 from specee_edge.pack import Pack, Schedule, target_identity, write_pack
 from specee_edge.pack.convert import predictors_from_npz, predictors_to_npz
 from specee_edge.predictor import MLPPredictor
 from specee_edge.runtime.weights import TargetWeights
+from specee_edge.threads import default_threads
 
 CACHE = Path.home() / ".cache" / "specee-edge" / "calibrate"
 SPLIT = (0.6, 0.2, 0.2)  # prompts: train / threshold calibration / test

@@ -55,7 +55,7 @@ def bench(
     """Decode the same prompts with vanilla llama.cpp and SpecEE, interleaved: speed, oracle bound, quality."""
     from specee_edge.bench import BenchConfig, plot_histogram, run_bench
     from specee_edge.engine import AUTO, DEFAULT_KV_MODE
-    from specee_edge.engine.engine import default_threads
+    from specee_edge.threads import default_threads
     from specee_edge.pull import resolve_model
     from specee_edge.runtime import KV_MODES
 

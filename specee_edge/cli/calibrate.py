@@ -29,9 +29,9 @@ def calibrate(
     """Calibrate a pack for MODEL: its own answers, a draft head, per-layer predictors and a schedule."""
     from specee_edge.calibrate import CalibrateConfig
     from specee_edge.calibrate import calibrate as run_calibration
-    from specee_edge.engine.engine import default_threads
     from specee_edge.engine.exit import PACK_SUFFIX
     from specee_edge.pull import resolve_model
+    from specee_edge.threads import default_threads
 
     try:
         model_path = resolve_model(model)

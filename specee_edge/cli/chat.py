@@ -75,7 +75,7 @@ def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str,
     Returns (engine, model label, notice): notice is the one line to print, or None.
     """
     from specee_edge.engine import AUTO, Engine, EngineConfig
-    from specee_edge.engine.engine import default_threads
+    from specee_edge.threads import default_threads
     from specee_edge.pull import resolve_model
 
     model_path = resolve_model(opts.model)

@@ -38,7 +38,7 @@ def version() -> None:
 @app.command()
 def info(path: Annotated[Path, typer.Argument(help="a model GGUF or a specee pack")]) -> None:
     """Summarize a model GGUF or a pack: architecture, layers, sizes, schedule, predictors, provenance."""
-    from specee_edge.pack.summary import summarize
+    from specee_edge.cli.info import summarize
 
     try:
         console.print(summarize(path))
@@ -48,24 +48,21 @@ def info(path: Annotated[Path, typer.Argument(help="a model GGUF or a specee pac
 
 @app.command()
 def convert(
-    sources: Annotated[list[str], typer.Argument(help="predictor / draft-head files (.joblib[:LAYER], .npz, .safetensors)")],
+    sources: Annotated[list[str], typer.Argument(help="predictor files (.joblib[:LAYER], .npz, .safetensors)")],
     output: Annotated[Path, typer.Option("-o", "--output", help="the pack to write")],
     model: Annotated[Path, typer.Option("-m", "--model", help="the target model GGUF the pack is for")],
-    quant: Annotated[str, typer.Option("--quant", help="draft-head weights: q8_0, q4_0 or f16")] = "q8_0",
     predictor_type: Annotated[str, typer.Option("--predictor-type", help="predictor weights: f32 or f16")] = "f32",
     threshold: Annotated[float, typer.Option("--threshold", help="exit threshold on the predictor's output")] = 0.5,
 ) -> None:
-    """Convert predictors (scikit-learn, numpy, the SpecEE paper's safetensors) and an EAGLE-1 draft head into a pack."""
+    """Convert predictors (scikit-learn, numpy, the SpecEE paper's safetensors) into a pack."""
     from specee_edge.pack import target_identity, write_pack
     from specee_edge.pack.convert import convert as convert_sources
 
-    if quant not in ("q8_0", "q4_0", "f16"):
-        raise fail(SpecEEError(f"--quant must be q8_0, q4_0 or f16, not {quant!r}"))
     try:
         target = target_identity(model)
-        pack = convert_sources(sources, target, threshold=threshold, command=" ".join(["specee-edge", *sys.argv[1:]]))
-        write_pack(output, pack, predictor_type=predictor_type, draft_quant=quant)
+        pack = convert_sources(sources, target, threshold=threshold, command=" ".join(["specee-edge", *sys.argv[1:]]),
+                               note=lambda line: console.print(line, highlight=False, soft_wrap=True))
+        write_pack(output, pack, predictor_type=predictor_type)
     except SpecEEError as e:
         raise fail(e) from None
-    draft = f" and a {pack.draft.kind} draft head" if pack.draft else ""
-    console.print(f"wrote {output}: {len(pack.predictors)} predictors (k = {pack.k}){draft} for {model.name}")
+    console.print(f"wrote {output}: {len(pack.predictors)} predictors (k = {pack.k}) for {model.name}", soft_wrap=True)

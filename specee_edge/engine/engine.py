@@ -28,16 +28,13 @@ from specee_edge.engine.sampling import SamplingParams, sample
 from specee_edge.engine.stops import StopMatcher
 from specee_edge.errors import ContextFullError, SpecEEError, UnsupportedModelError
 from specee_edge.runtime import Context, Model
+from specee_edge.threads import default_threads
 
 # By measurement (README, Benchmark): fill agrees with the full model like `full` and costs about
 # what `mask` costs; models whose K/V cannot be rebuilt (fused or scaled projections) get mask.
 DEFAULT_KV_MODE = "fill"
 FALLBACK_KV_MODE = "mask"
 AUTO = "auto"  # pack=AUTO: MODEL.specee.gguf beside the model, else a shipped pack in models/
-
-
-def default_threads() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
 
 
 @dataclass

@@ -27,8 +27,9 @@ from specee_edge.predictor.schedule import OnlineSchedule
 from specee_edge.runtime import Context
 from specee_edge.runtime.context import StepInfo
 from specee_edge.runtime.weights import TargetWeights
+from specee_edge.shipped import shipped_dir
 
-SHIPPED_PACKS = Path(__file__).resolve().parents[2] / "models"
+SHIPPED_PACKS = shipped_dir()
 PACK_SUFFIX = ".specee.gguf"
 
 

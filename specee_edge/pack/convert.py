@@ -1,17 +1,20 @@
-"""Convert predictors and draft heads from other formats into a pack bound to its target model.
+"""Convert predictors from other formats into a pack bound to its target model.
 
 Sources (the kind is told by the file, not by a flag):
   *.joblib / *.pkl   scikit-learn MLPClassifier: a dict {layer: classifier}, or one classifier given
                      as FILE:LAYER. joblib unpickles: convert only files you trust.
   *.npz              numpy arrays `layer<L>.weight<j>` [out, in] and `layer<L>.bias<j>` [out]
-  *.safetensors      the SpecEE paper's predictors (`model.layers.<L>.pred.{up,down}.{weight,bias}`),
-                     or an EAGLE-1 draft head (`fc.weight`, `fc.bias`, `layers.0.*`)
+  *.safetensors      the SpecEE paper's predictors (`model.layers.<L>.pred.{up,down}.{weight,bias}`)
+
+Draft heads are not converted: the engine runs only the linear draft head `specee-edge calibrate`
+trains, so an EAGLE head (`fc.weight`, `layers.0.*`) is refused rather than packed unusable.
 """
 
 from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
@@ -19,9 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from specee_edge.errors import SpecEEError
-from specee_edge.pack.format import DraftHead, Pack, Schedule, TargetIdentity
+from specee_edge.pack.format import Pack, Schedule, TargetIdentity
 from specee_edge.pack.safetensors import read_safetensors
-from specee_edge.predictor import MLPPredictor
+from specee_edge.pack.mlp import MLPPredictor
 
 PAPER_KEY = re.compile(r"^model\.layers\.(\d+)\.pred\.(up|down)\.(weight|bias)$")
 NPZ_KEY = re.compile(r"^layer(\d+)\.(weight|bias)(\d+)$")
@@ -98,28 +101,17 @@ def predictors_from_paper(tensors: dict[str, np.ndarray], path: Path) -> dict[in
     return predictors
 
 
-def draft_from_eagle(tensors: dict[str, np.ndarray], path: Path, target: TargetIdentity) -> DraftHead:
-    fc = tensors.get("fc.weight")
-    if fc is None or not any(k.startswith("layers.0.") for k in tensors):
-        raise SpecEEError(f"{path}: an EAGLE-1 draft head needs fc.weight and a decoder layer layers.0.*")
-    if fc.shape != (target.n_embd, 2 * target.n_embd):
-        raise SpecEEError(
-            f"{path}: draft head fc.weight is {list(fc.shape)}, the target needs [{target.n_embd}, {2 * target.n_embd}]"
-            f" (n_embd {target.n_embd})"
-        )
-    return DraftHead("eagle1", {k: v.astype(np.float32) for k, v in tensors.items()})
-
-
 def convert(
     sources: list[str],
     target: TargetIdentity,
     *,
     threshold: float = 0.5,
     command: str | None = None,
+    note: Callable[[str], None] = lambda line: None,
 ) -> Pack:
-    """Gather predictors and at most one draft head from `sources` into a pack for `target`."""
+    """Gather the predictors in `sources` into a pack for `target`; `note` gets one line per thing left out."""
     predictors: dict[int, MLPPredictor] = {}
-    draft = None
+    last = target.n_layer - 1
     for source in sources:
         path = Path(source.partition(":")[0] if not Path(source).exists() else source)
         if not path.exists():
@@ -132,22 +124,22 @@ def convert(
         elif suffix == ".safetensors":
             tensors = read_safetensors(path)
             if "fc.weight" in tensors:
-                if draft is not None:
-                    raise SpecEEError(f"{path}: a second draft head; a pack holds one")
-                draft = draft_from_eagle(tensors, path, target)
-                continue
+                raise SpecEEError(f"{path}: an EAGLE draft head; the engine runs only the linear draft head"
+                                  " that `specee-edge calibrate` trains")
             found = predictors_from_paper(tensors, path)
             if not found:
-                raise SpecEEError(f"{path}: neither SpecEE predictors nor an EAGLE-1 draft head")
+                raise SpecEEError(f"{path}: no SpecEE predictors (model.layers.<L>.pred.*)")
         else:
             raise SpecEEError(f"{path}: unknown source type {suffix!r} (.joblib, .pkl, .npz or .safetensors)")
         if overlap := set(found) & set(predictors):
             raise SpecEEError(f"{path}: predictors for layers {sorted(overlap)} were already given")
+        # The paper's files have one for every layer; the last layer always runs, so its predictor never fires
+        if found.pop(last, None) is not None:
+            note(f"{path}: left out the predictor of layer {last}: the last layer always runs, so it can never fire")
         predictors.update(found)
 
     if not predictors:
         raise SpecEEError("no predictors in the sources")
-    last = target.n_layer - 1
     if out_of_range := sorted(il for il in predictors if not 0 <= il < last):
         raise SpecEEError(
             f"predictors for layers {out_of_range} do not fit the target ({target.arch}, {target.n_layer} layers:"
@@ -162,7 +154,6 @@ def convert(
         threshold=threshold,
         schedule=Schedule(offline=sorted(predictors)),
         predictors=predictors,
-        draft=draft,
         provenance={
             "tool": "specee-edge convert",
             "command": command or " ".join(sys.argv),

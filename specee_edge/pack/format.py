@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specee_edge.predictor import MLPPredictor
+from specee_edge.pack.mlp import MLPPredictor
 
 PACK_ARCH = "specee-pack"  # general.architecture of every pack
 FORMAT_VERSION = 1
@@ -51,6 +51,15 @@ class TargetIdentity:
     n_embd: int
     n_vocab: int
     fingerprint: str
+    # A model's identity also knows the fingerprint's legacy form (pack/target.py), to accept packs that
+    # hold it. Not part of a pack and not compared: identities are equal when the current forms are.
+    legacy_fingerprint: str | None = field(default=None, compare=False, repr=False)
+
+    def accepts(self, pack_target: TargetIdentity) -> bool:
+        """A pack made for this model: the same shape, and a fingerprint in the current or the legacy form."""
+        shape = (self.arch, self.n_layer, self.n_embd, self.n_vocab)
+        return (shape == (pack_target.arch, pack_target.n_layer, pack_target.n_embd, pack_target.n_vocab)
+                and pack_target.fingerprint in (self.fingerprint, self.legacy_fingerprint))
 
     def describe(self) -> str:
         return f"{self.arch}, {self.n_layer} layers, n_embd {self.n_embd}, vocab {self.n_vocab}, fingerprint {self.fingerprint[:12]}"

@@ -39,7 +39,7 @@ from specee_edge.pack.format import (
     TargetIdentity,
     predictor_tensor,
 )
-from specee_edge.predictor import MLPPredictor
+from specee_edge.pack.mlp import MLPPredictor
 
 QUANT_TYPES = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16,
                "q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}

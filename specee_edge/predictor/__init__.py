@@ -1,5 +1,5 @@
 """Exit predictors: features and the per-layer MLP."""
 
-from specee_edge.predictor.mlp import MLPPredictor
+from specee_edge.pack.mlp import MLPPredictor
 
 __all__ = ["MLPPredictor"]

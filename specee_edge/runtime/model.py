@@ -10,10 +10,9 @@ from pathlib import Path
 from llama_cpp import llama_cpp as _llama
 
 from specee_edge.errors import ModelLoadError
+from specee_edge.gguf_index import check_gguf_file
 from specee_edge.runtime._bindings import C
 from specee_edge.runtime.logging import quiet_llama_logs
-
-GGUF_MAGIC = b"GGUF"
 
 
 @dataclass(frozen=True)
@@ -24,23 +23,6 @@ class ModelInfo:
     n_embd: int
     n_vocab: int
     supports_early_exit: bool
-
-
-def check_gguf_file(path: str | os.PathLike) -> Path:
-    """Fail with a one-line message unless `path` is a readable file that starts like a GGUF."""
-    path = Path(path)
-    if not path.exists():
-        raise ModelLoadError(f"model file not found: {path}")
-    if not path.is_file():
-        raise ModelLoadError(f"model path is not a file: {path}")
-    try:
-        with path.open("rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise ModelLoadError(f"cannot read model file {path}: {e.strerror}") from None
-    if magic != GGUF_MAGIC:
-        raise ModelLoadError(f"not a GGUF file: {path}")
-    return path
 
 
 class Model:

@@ -1,4 +1,5 @@
-"""The few target-model tensors that live outside llama.cpp's graph: token embeddings, final norm, LM head.
+"""The few target-model tensors that live outside llama.cpp's graph: token embeddings, final norm, LM head
+(and the logit lens through them, which calibrate and bench share).
 
 Read from the model GGUF's memory map (through `GGUFIndex`) and dequantized on demand with gguf-py, so the
 draft head can look up one embedding row per token without loading the whole table.
@@ -6,6 +7,7 @@ draft head can look up one embedding row per token without loading the whole tab
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 
@@ -13,16 +15,18 @@ import gguf
 import numpy as np
 
 from specee_edge.errors import ModelLoadError
-from specee_edge.pack.target import field_value, open_gguf
+from specee_edge.gguf_index import GGUFIndex
+
+LENS_ROWS = 512  # rows per lens matmul: [rows, n_vocab] float32 stays near 100 MB
 
 
 class TargetWeights:
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.reader = open_gguf(self.path)
+        self.reader = GGUFIndex(self.path)
         self._tensors = {t.name: t for t in self.reader.tensors}
-        arch = field_value(self.reader, "general.architecture")
-        self.rms_eps = float(field_value(self.reader, f"{arch}.attention.layer_norm_rms_epsilon") or 1e-6)
+        arch = self.reader.value("general.architecture")
+        self.rms_eps = float(self.reader.value(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-6)
         self._embd = self._tensor("token_embd.weight")
         # a tied LM head has no output.weight: it reads the embedding table
         self._head = self._tensors.get("output.weight", self._embd)
@@ -63,3 +67,15 @@ class TargetWeights:
 def final_norm(hidden: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
     h = np.asarray(hidden, dtype=np.float32)
     return h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * gamma
+
+
+def lens_top1(hidden: np.ndarray, weights: TargetWeights, progress: Callable[[int], None] = lambda n: None) -> np.ndarray:
+    """argmax over the vocabulary of final_norm(h) through the LM head, for [..., n_embd] hidden states."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    out = np.empty(len(flat), dtype=np.int32)
+    head_t = np.ascontiguousarray(weights.lm_head.T)
+    for i in range(0, len(flat), LENS_ROWS):
+        chunk = weights.final_norm(flat[i : i + LENS_ROWS].astype(np.float32))
+        out[i : i + LENS_ROWS] = np.argmax(chunk @ head_t, axis=1)
+        progress(len(chunk))
+    return out.reshape(hidden.shape[:-1])

@@ -1,4 +1,4 @@
-"""Prompt sets: the built-in ones shipped in specee_edge/data, or a user's JSONL file."""
+"""Prompt sets: the built-in ones shipped in this package, or a user's JSONL file (for bench and calibrate)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _read_jsonl(text: str, source: str, key: str) -> list[Prompt]:
 def load_prompts(path: str | Path | None = None) -> list[Prompt]:
     """The built-in calibration prompts, or `path` (JSONL: {"prompt": ..., "category": optional})."""
     if path is None:
-        return _read_jsonl(files("specee_edge.data").joinpath("calibrate_prompts.jsonl").read_text(), "calibrate_prompts.jsonl", "category")
+        return _read_jsonl(files(__package__).joinpath("calibrate_prompts.jsonl").read_text(), "calibrate_prompts.jsonl", "category")
     path = Path(path)
     if not path.is_file():
         raise SpecEEError(f"prompt file not found: {path}")
@@ -47,7 +47,7 @@ def bench_prompts(name_or_path: str) -> list[Prompt]:
     """A built-in bench set (chat, code, math, summarize, or all) or a JSONL file."""
     if Path(name_or_path).suffix == ".jsonl":
         return load_prompts(name_or_path)
-    rows = _read_jsonl(files("specee_edge.data").joinpath("bench_prompts.jsonl").read_text(), "bench_prompts.jsonl", "set")
+    rows = _read_jsonl(files(__package__).joinpath("bench_prompts.jsonl").read_text(), "bench_prompts.jsonl", "set")
     sets = sorted({p.category for p in rows})
     if name_or_path != "all" and name_or_path not in sets:
         raise SpecEEError(f"unknown prompt set {name_or_path!r}: choose {', '.join(sets)}, all, or a .jsonl file")
@@ -55,7 +55,7 @@ def bench_prompts(name_or_path: str) -> list[Prompt]:
 
 
 def heldout_text() -> str:
-    return files("specee_edge.data").joinpath("heldout.txt").read_text()
+    return files(__package__).joinpath("heldout.txt").read_text()
 
 
 def split(n: int, seed: int, fractions: tuple[float, ...]) -> list[np.ndarray]:

@@ -8,9 +8,10 @@ from pathlib import Path
 from rich.console import Group
 from rich.table import Table
 
+from specee_edge.gguf_index import GGUFIndex
 from specee_edge.pack.format import PACK_ARCH
 from specee_edge.pack.io import read_pack
-from specee_edge.pack.target import field_value, open_gguf, target_identity
+from specee_edge.pack.target import target_identity
 
 
 def _size(n_bytes: int) -> str:
@@ -27,19 +28,25 @@ def _kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
 
 
 def summarize(path: Path) -> Group:
-    reader = open_gguf(path)
-    if field_value(reader, "general.architecture") == PACK_ARCH:
+    reader = GGUFIndex(path)
+    if reader.value("general.architecture") == PACK_ARCH:
         return _pack_summary(path)
     return _model_summary(path, reader)
 
 
-def _model_summary(path: Path, reader) -> Group:
-    from specee_edge.runtime import Model  # loads llama.cpp only for models
+def _early_exit_support(path: Path) -> str:
+    """Only the patched runtime knows (it decides per architecture in C); info works without it."""
+    try:
+        from specee_edge.runtime import Model
+    except ImportError:
+        return "unknown: the patched runtime is not installed (make setup)"
+    return "supported" if Model(path).info.supports_early_exit else "not supported for this architecture"
 
+
+def _model_summary(path: Path, reader: GGUFIndex) -> Group:
     identity = target_identity(path, reader)
     types = Counter(t.tensor_type.name for t in reader.tensors)
     n_params = sum(int(t.n_elements) for t in reader.tensors)
-    supported = Model(path).info.supports_early_exit
     return Group(_kv_table(f"model {path.name}", [
         ("architecture", identity.arch),
         ("layers", str(identity.n_layer)),
@@ -48,7 +55,7 @@ def _model_summary(path: Path, reader) -> Group:
         ("parameters", f"{n_params / 1e6:.1f} M"),
         ("file size", _size(path.stat().st_size)),
         ("tensor types", ", ".join(f"{name} x{n}" for name, n in types.most_common())),
-        ("early exit", "supported" if supported else "not supported for this architecture"),
+        ("early exit", _early_exit_support(path)),
         ("fingerprint", identity.fingerprint[:16]),
     ]))
 

@@ -5,6 +5,9 @@
 only what is cheap: scalars and strings as Python values, numeric arrays as numpy views of the map,
 string arrays as their length plus a lazy reader (`strings(key)` decodes them on request), and per
 tensor its name, shape, ggml type, offset and a numpy view of its data shaped like gguf-py's.
+
+Pure Python (gguf-py and numpy): the commands that only read files (`info`, `convert`) work where the
+patched runtime is not built.
 """
 
 from __future__ import annotations
@@ -14,14 +17,15 @@ import os
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
 
 from specee_edge.errors import ModelLoadError
-from specee_edge.runtime.model import check_gguf_file
 
+GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 
 # scalar value types: (struct code, numpy dtype code)
@@ -49,6 +53,23 @@ _NUMERIC_TENSORS = {
     GGMLQuantizationType.I32: "i4",
     GGMLQuantizationType.I64: "i8",
 }
+
+
+def check_gguf_file(path: str | os.PathLike) -> Path:
+    """Fail with a one-line message unless `path` is a readable file that starts like a GGUF."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"model file not found: {path}")
+    if not path.is_file():
+        raise ModelLoadError(f"model path is not a file: {path}")
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read model file {path}: {e.strerror}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"not a GGUF file: {path}")
+    return path
 
 
 class _Corrupt(Exception):

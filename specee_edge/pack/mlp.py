@@ -1,4 +1,8 @@
-"""The per-layer exit predictor: an MLP with ReLU between layers and a sigmoid out (SpecEE: 12->512->1)."""
+"""The per-layer exit predictor a pack holds: an MLP with ReLU between layers and a sigmoid out (SpecEE: 12->512->1).
+
+It lives with the pack format because its weights are what a pack stores; `specee_edge.predictor`
+re-exports it beside the features and the schedule that drive it.
+"""
 
 from __future__ import annotations
 
