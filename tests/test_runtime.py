@@ -369,3 +369,16 @@ def test_full_context_raises_and_keeps_the_context_usable(tiny_dir):
         ctx.decode([5] * 4)
     ctx.decode([5, 6])
     assert ctx.n_past == n_ctx
+
+
+def test_fill_works_after_every_layer(default_model):
+    """Each exit layer has a fill graph of its own (built once): a stop after any layer fills its cell."""
+    ctx = early_exit_context(default_model, "fill", n_ctx=256)
+    ctx.decode(default_model.tokenize(CHAT_PROMPT))
+    last = default_model.info.n_layer - 1
+    for layer in [*range(last), *range(last)]:  # twice: the second round reuses the graphs
+        ctx.set_probe_layers([layer])
+        ctx.set_probe_callback(stop_at(layer))
+        token = int(np.argmax(ctx.logits()))
+        assert ctx.decode([token]) == layer
+        assert ctx.cell_depth(ctx.n_past - 1) == last
