@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from llama_cpp import Llama
+from llama_cpp import llama_cpp as llama_c
 
 from specee_edge.errors import ContextFullError, ModelLoadError, SpecEEError, UnsupportedModelError
 from specee_edge.runtime import Context, Model
@@ -382,3 +383,25 @@ def test_fill_works_after_every_layer(default_model):
         token = int(np.argmax(ctx.logits()))
         assert ctx.decode([token]) == layer
         assert ctx.cell_depth(ctx.n_past - 1) == last
+
+
+@pytest.mark.parametrize("mode", ["mask", "fill"])
+def test_state_save_refuses_a_cache_with_shallow_cells(default_model, mode, tmp_path):
+    """A cell's depth is not in llama.cpp's state format: saved, a shallow cell would load back as
+    complete. So the save refuses while one is cached (mask after an exit) and works otherwise."""
+    ctx = early_exit_context(default_model, mode, n_ctx=256)
+    prompt = default_model.tokenize(CHAT_PROMPT)
+    ctx.decode(prompt)
+    assert llama_c.llama_state_get_size(ctx._ctx) > 0
+    ctx.set_probe_layers([10])
+    ctx.set_probe_callback(stop_at(10))
+    ctx.set_candidates(top_k(ctx.logits(), 4))
+    assert ctx.decode([int(np.argmax(ctx.logits()))]) == 10
+    tokens = (llama_c.llama_token * (len(prompt) + 1))(*prompt, 0)
+    saved = llama_c.llama_state_save_file(ctx._ctx, str(tmp_path / "state.bin").encode(), tokens, len(tokens))
+    if mode == "mask":
+        assert llama_c.llama_state_get_size(ctx._ctx) == 0 and not saved
+        ctx.truncate(len(prompt))  # the shallow cell gone, the cache saves again
+        assert llama_c.llama_state_get_size(ctx._ctx) > 0
+    else:  # fill completed the cell
+        assert llama_c.llama_state_get_size(ctx._ctx) > 0 and saved
