@@ -329,3 +329,16 @@ def test_footer_and_exit_colours():
     assert depth_style(None, 30) == ""
     assert depth_style(3, 30) == "bold green" and depth_style(28, 30) == "magenta"
     assert depth_legend(30).plain == "exit depth: 0-14 15-19 20-24 25-28 full (29)"
+
+
+def test_set_threshold_reaches_the_native_predictors(default_model):
+    """/set threshold changes the thresholds the C predictors use, not only the Python copy."""
+    engine = Engine(default_model.info.path, config=EngineConfig(n_ctx=512, n_threads=2))
+    repl, _ = make_repl(engine, max_tokens=24)
+    repl.command("/set threshold 1")  # no sigmoid exceeds 1: nothing exits
+    repl.send("Tell me about the moon.")
+    assert engine.stats.exits == 0 and engine.stats.probes > 0
+    repl.command("/set threshold 0")  # every positive verified: exits
+    repl.command("/regen")
+    assert engine.stats.exits > 0
+    engine.close()

@@ -295,8 +295,7 @@ class Repl:
             raise SpecEEError("no pack is loaded, so there are no thresholds to set")
         if not 0.0 <= value <= 1.0:
             raise SpecEEError(f"the threshold is a probability: 0..1, got {value:g}")
-        for layer in policy.thresholds:
-            policy.thresholds[layer] = value
+        policy.set_threshold(value)  # into the native predictors too
 
     def cmd_early_exit(self, arg: str) -> None:
         if not arg:
