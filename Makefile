@@ -34,7 +34,7 @@ test: setup
 chat: setup
 	$(VENV)/bin/specee-edge chat
 
-# The default model against vanilla llama.cpp, every KV mode (README: Benchmark).
+# The default model against vanilla llama.cpp, every KV mode (docs/bench.md).
 bench: setup
 	$(VENV)/bin/specee-edge bench --kv-mode all --json bench.json --plot bench_exits.png
 

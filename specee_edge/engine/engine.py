@@ -30,7 +30,7 @@ from specee_edge.errors import ContextFullError, SpecEEError, UnsupportedModelEr
 from specee_edge.runtime import Context, Model
 from specee_edge.threads import default_threads
 
-# By measurement (README, Benchmark): fill agrees with the full model like `full` and costs about
+# By measurement (docs/bench.md): fill agrees with the full model like `full` and costs about
 # what `mask` costs; models whose K/V cannot be rebuilt (fused or scaled projections) get mask.
 DEFAULT_KV_MODE = "fill"
 FALLBACK_KV_MODE = "mask"

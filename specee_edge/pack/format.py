@@ -1,6 +1,6 @@
 """The specee pack: one GGUF holding a model's predictors, draft head, schedule and provenance.
 
-Metadata keys and tensor names are listed here once; README.md documents them as a table.
+Metadata keys and tensor names are listed here once; docs/packs.md documents them as a table.
 """
 
 from __future__ import annotations
