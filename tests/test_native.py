@@ -14,6 +14,7 @@ from specee_edge.engine.exit import find_pack
 from specee_edge.pack import read_pack
 from specee_edge.predictor.features import probe_features
 from specee_edge.runtime import Context
+from specee_edge.runtime.context import GraphInfo
 from specee_edge.runtime.weights import TargetWeights
 from tests.conftest import CHAT_PROMPT
 
@@ -132,3 +133,31 @@ def test_regenerating_a_reply_with_a_loose_threshold(default_model):
     assert all(r.tokens for r in replies)
     assert replies[-1].stats.exits > 0  # the regenerated replies still exit early
     engine.close()
+
+
+def test_graphs_hold_only_what_is_asked(default_model):
+    """Early exit off: stock graphs (no probe, no draft, no depth bias). On: the draft and a probe on
+    each layer that has a predictor. The depth bias only while a cached cell is shallow (mask mode
+    after an exit), never in fill mode."""
+    prompt = default_model.tokenize(CHAT_PROMPT)
+    fill = Engine(default_model.info.path, config=EngineConfig(n_ctx=512, n_threads=2, kv_mode="fill", threshold=0.0))
+    n_predictors = len(fill.policy.predictors)
+    fill.set_early_exit(False)
+    fill.generate(prompt, max_tokens=4, sampling=GREEDY)
+    assert fill.ctx.step_info().graph == GraphInfo(probes=0, draft=False, depth_mask=False)
+    fill.set_early_exit(True)
+    out = fill.generate(prompt, max_tokens=STEPS, sampling=GREEDY)
+    assert out.stats.exits > 0
+    assert fill.ctx.step_info().graph == GraphInfo(probes=n_predictors, draft=True, depth_mask=False)
+    fill.close()
+
+    mask = Engine(default_model.info.path, config=EngineConfig(n_ctx=512, n_threads=2, kv_mode="mask", threshold=0.0))
+    records = list(mask.stream(prompt, max_tokens=STEPS, sampling=GREEDY))
+    first_exit = next(i for i, r in enumerate(records) if r.exit_layer is not None)
+    assert first_exit < len(records) - 1  # so the last step ran over a cache holding a shallow cell
+    assert mask.ctx.step_info().graph.depth_mask
+    mask.reset()
+    mask.set_early_exit(False)
+    mask.generate(prompt, max_tokens=2, sampling=GREEDY)  # the shallow cells are gone
+    assert mask.ctx.step_info().graph == GraphInfo(probes=0, draft=False, depth_mask=False)
+    mask.close()

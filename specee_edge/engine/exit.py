@@ -12,6 +12,7 @@ each scheduled layer: slower, for research on other exit rules.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,8 +122,8 @@ class ExitPolicy:
         self.candidates = info.candidates
         self.schedule.record_exit(info.exit_layer)
         if not self.native:  # the Python policy counts and times its own work
-            info = StepInfo(info.exit_layer, self.probes, self.verify_failures, info.candidates, info.draft_ms,
-                            self.predictor_s * 1e3, self.verify_s * 1e3)
+            info = dataclasses.replace(info, probes=self.probes, verify_failures=self.verify_failures,
+                                       predictor_ms=self.predictor_s * 1e3, verify_ms=self.verify_s * 1e3)
         return info
 
     def _set_probe_layers(self) -> None:

@@ -34,6 +34,9 @@ class TokenInfo(ctypes.Structure):
         ("t_draft_us", ctypes.c_int64),
         ("t_predictor_us", ctypes.c_int64),
         ("t_verify_us", ctypes.c_int64),
+        ("graph_probes", ctypes.c_int32),
+        ("graph_draft", ctypes.c_int32),
+        ("graph_depth_mask", ctypes.c_int32),
     ]
 
 

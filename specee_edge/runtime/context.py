@@ -38,6 +38,16 @@ class StepInfo:
     draft_ms: float            # graph start to the draft's candidates (0 unless timing is on)
     predictor_ms: float
     verify_ms: float
+    graph: GraphInfo
+
+
+@dataclass(frozen=True)
+class GraphInfo:
+    """What the last decode's graph held beyond the stock one."""
+
+    probes: int         # layers with a candidate probe
+    draft: bool         # the draft head (else the candidates were an input, or there were none)
+    depth_mask: bool    # the per-layer depth bias (only while a cached cell is shallow)
 
 
 def _floats(array: np.ndarray) -> ctypes._Pointer:
@@ -207,6 +217,7 @@ class Context:
             draft_ms=info.t_draft_us / 1e3,
             predictor_ms=info.t_predictor_us / 1e3,
             verify_ms=info.t_verify_us / 1e3,
+            graph=GraphInfo(info.graph_probes, bool(info.graph_draft), bool(info.graph_depth_mask)),
         )
 
     def set_probe_callback(self, callback: ProbeCallback | None) -> None:
