@@ -1,7 +1,11 @@
 """An engine state fuzzer: random REPL-like action sequences on the default model, checked after every action.
 
 One `Engine` per KV mode (a KV mode is fixed per engine, so switching modes means switching engines;
-each keeps its own cache, which the shared conversation then meets again). The actions are what a
+each keeps its own cache, which the shared conversation then meets again), with the shipped pack and
+with a multi-layer pack: the shipped pack has a single predictor, after layer 28 of 30, so its exits
+skip only the last layer, where fill rebuilds the exact K/V and mask hides a cell from one layer. The
+multi-layer pack puts copies of that predictor on nine layers (MULTI_LAYERS), so tokens also stop
+halfway and the KV modes handle many skipped layers. The actions are what a
 user of `specee-edge chat` or of the Python API does: chat turns, /regen, /clear, streams closed early,
 Ctrl+C inside the consuming loop or inside the engine, early exit on/off, threshold changes, KV-mode
 changes, and prompts that fill or overflow a small context.
@@ -44,6 +48,7 @@ What is checked, and why each check is exact:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import time
@@ -54,11 +59,17 @@ from pathlib import Path
 
 import numpy as np
 
-from specee_edge.engine import GREEDY, Engine, EngineConfig, SamplingParams, TokenRecord
+from specee_edge.engine import AUTO, GREEDY, Engine, EngineConfig, SamplingParams, TokenRecord
+from specee_edge.engine.exit import find_pack
 from specee_edge.errors import ContextFullError, SpecEEError
+from specee_edge.pack import read_pack, write_pack
+from specee_edge.pack.format import Schedule
 from specee_edge.runtime import Context, Model
 
 KV_MODES = ("mask", "fill", "full")
+PACKS = ("shipped", "multi")
+MULTI_LAYERS = (6, 10, 14, 18, 20, 22, 24, 26, 28)  # the multi-layer pack's predictor layers
+MULTI_OFFLINE = (10, 18, 24)                         # and its offline schedule
 THRESHOLDS = (None, 0.0, 0.3, 0.5, 0.9, 1.01)
 # the shipped pack's own thresholds rarely stop in a few tokens; low ones stop often, so they come up more
 THRESHOLD_WEIGHTS = (2, 3, 2, 2, 1, 1)
@@ -66,8 +77,8 @@ N_CTX = 256
 N_THREADS = 2
 MAX_TOKENS = 5
 DEEP_EVERY = 400        # actions between deep checks (a new context replays everything)
-TWIN_SHARE = 0.3        # share of conversations (between clears) a twin follows
-TWIN_SYNC_P = 0.5       # chance that a following twin catches up after an action
+TWIN_SHARE = 0.25       # share of conversations (between clears) a twin follows
+TWIN_SYNC_P = 0.3       # chance that a following twin catches up after an action
 FILL_EVERY = 400        # actions without a fill before one is forced
 TAIL = 25               # actions named in a failure message
 VANILLA_MAX_PROMPT = 32  # longer prompts are left to the twin (a plain re-prefill costs ~3 ms a token)
@@ -85,6 +96,20 @@ FILLER = "The quick brown fox jumps over the lazy dog while the cat sleeps on th
 
 class FuzzFailure(AssertionError):
     pass
+
+
+def write_multilayer_pack(model_path: Path, out: Path) -> Path:
+    """The shipped pack with its one predictor copied onto MULTI_LAYERS. Its features (candidate logits,
+    probabilities and their change) mean the same after any layer, and verification still stops a token
+    only where the exit's top-1 is a candidate, so the copies stop tokens at many depths."""
+    pack = read_pack(find_pack(model_path))
+    (source, mlp), *_ = sorted(pack.predictors.items(), reverse=True)
+    threshold = pack.thresholds.get(source, pack.threshold)
+    multi = dataclasses.replace(
+        pack, predictors={il: mlp for il in MULTI_LAYERS}, thresholds={il: threshold for il in MULTI_LAYERS},
+        schedule=Schedule(offline=list(MULTI_OFFLINE), window=pack.schedule.window, offsets=[-2, 0, 2]),
+        provenance={"made_by": "tests/fuzz_engine.py", "predictor": f"layer {source} of the shipped pack"})
+    return write_pack(out, multi, draft_quant=pack.draft.quant)
 
 
 def digest(logits: np.ndarray) -> bytes:
@@ -336,7 +361,7 @@ class Outcome:
 @dataclass
 class Step:
     index: int
-    mode: str
+    key: str
     early_exit: bool
     action: Action
     outcome: Outcome | None = None
@@ -345,7 +370,7 @@ class Step:
     def describe(self) -> str:
         ee = "ee" if self.early_exit else "off"
         out = self.outcome.describe() if self.outcome else ("-" if self.action.turn else "ok")
-        return f"#{self.index} {self.mode}/{ee}: {self.action.describe()} -> {out}, cache {self.kv_len}"
+        return f"#{self.index} {self.key} {ee}: {self.action.describe()} -> {out}, cache {self.kv_len}"
 
 
 # --- the fuzzer ------------------------------------------------------------------------------------
@@ -355,6 +380,7 @@ class Step:
 class Slot:
     """One engine of the pool, with its recorder and twin."""
 
+    key: str                      # "mode" (shipped pack) or "mode/multi"
     mode: str
     engine: Engine
     recorder: CacheRecorder
@@ -378,21 +404,24 @@ class Report:
 
 
 class EngineFuzzer:
-    def __init__(self, model_path: Path, seed: int, n_ctx: int = N_CTX):
+    def __init__(self, model_path: Path, seed: int, multi_pack: Path, n_ctx: int = N_CTX):
         self.seed = seed
         self.rng = random.Random(seed)
         self.slots: dict[str, Slot] = {}
-        for mode in KV_MODES:
-            engine = Engine(model_path, config=EngineConfig(n_ctx=n_ctx, n_threads=N_THREADS, kv_mode=mode))
-            assert engine.policy is not None and engine.kv_mode == mode
-            self.slots[mode] = Slot(mode, engine, CacheRecorder(engine.ctx), Twin(engine.model, mode, engine.policy.k, n_ctx))
+        for pack in PACKS:
+            for mode in KV_MODES:
+                key = mode if pack == "shipped" else f"{mode}/{pack}"
+                engine = Engine(model_path, pack=AUTO if pack == "shipped" else multi_pack,
+                                config=EngineConfig(n_ctx=n_ctx, n_threads=N_THREADS, kv_mode=mode))
+                assert engine.policy is not None and engine.kv_mode == mode
+                twin = Twin(engine.model, mode, engine.policy.k, n_ctx)
+                self.slots[key] = Slot(key, mode, engine, CacheRecorder(engine.ctx), twin)
         first = self.slots[KV_MODES[0]].engine
         self.n_ctx = first.ctx.n_ctx
         self.n_layer = first.n_layer
         self.vanilla = Vanilla(first.model, n_ctx)
         self.filler = first.tokenize(FILLER * 40)[1:]  # no BOS: filler continues other tokens
-        self.exit_layers = set(first.policy.predictors)
-        self.mode = KV_MODES[0]
+        self.key = KV_MODES[0]
         self.messages: list[dict[str, str]] = []
         self.system: str | None = SYSTEM_PROMPTS[0]  # short: every fresh conversation prefills it
         self.last_prompt_len = 0
@@ -403,7 +432,7 @@ class EngineFuzzer:
 
     @property
     def slot(self) -> Slot:
-        return self.slots[self.mode]
+        return self.slots[self.key]
 
     def close(self) -> None:
         self.vanilla.close()
@@ -417,7 +446,7 @@ class EngineFuzzer:
         t0 = time.perf_counter()
         for i in range(n_actions):
             action = self.next_action()
-            step = Step(i, self.mode, self.slot.engine.early_exit, action)
+            step = Step(i, self.key, self.slot.engine.early_exit, action)
             self.tail.append(step)
             try:
                 self.slot.recorder.action = i
@@ -484,7 +513,7 @@ class EngineFuzzer:
         if kind == "threshold":
             return Action(kind, rng.choices(THRESHOLDS, THRESHOLD_WEIGHTS)[0])
         if kind == "engine":
-            return Action(kind, rng.choice([m for m in KV_MODES if m != self.mode]))
+            return Action(kind, rng.choice([key for key in self.slots if key != self.key]))
         if kind == "system":
             return Action(kind, rng.choice(SYSTEM_PROMPTS))
         return Action(kind)
@@ -520,7 +549,7 @@ class EngineFuzzer:
             slot.engine.policy.set_threshold(action.arg)
             slot.threshold = action.arg
         elif kind == "engine":  # another KV mode: another engine, same conversation
-            self.mode = str(action.arg)
+            self.key = str(action.arg)
         elif kind == "system":  # /set system
             self.system = action.arg
         elif kind == "chat":  # a message, as ReplSession.send
@@ -686,9 +715,11 @@ class EngineFuzzer:
                 raise FuzzFailure(f"a token stopped at layer {chunk.exit_layer} with early exit off")
             if threshold is not None and threshold > 1.0:
                 raise FuzzFailure(f"a token stopped at layer {chunk.exit_layer} with threshold {threshold}")
-            if chunk.exit_layer not in self.exit_layers:
+            if chunk.exit_layer not in self.slot.engine.policy.predictors:
                 raise FuzzFailure(f"a token stopped at layer {chunk.exit_layer}, which has no predictor")
-            ev[f"exits_{self.mode}"] += 1
+            ev[f"exits_{self.slot.mode}"] += 1
+            if chunk.exit_layer < self.n_layer - 2:
+                ev[f"exits_{self.slot.mode}_skipping_2+_layers"] += 1
         if not early_exit and any(r.probes or r.exit_layer is not None for r in records):
             raise FuzzFailure("probes or exits reported with early exit off")
         ev["generations"] += 1

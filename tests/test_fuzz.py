@@ -1,8 +1,8 @@
-"""The engine state fuzzer (issue 14): random REPL-like action sequences on the default model with its
-shipped pack, one engine per KV mode, invariants checked after every action (tests/fuzz_engine.py says
-which and why each is exact).
+"""The engine state fuzzer (issue 14): random REPL-like action sequences on the default model, one engine
+per KV mode with the shipped pack and one with a multi-layer pack, invariants checked after every action
+(tests/fuzz_engine.py says which and why each is exact).
 
-Bounded by default: seed DEFAULT_SEED, DEFAULT_ACTIONS actions (about 80 s on 2 cores). Longer or other
+Bounded by default: seed DEFAULT_SEED, DEFAULT_ACTIONS actions (about 85 s on 2 cores). Longer or other
 runs (`make fuzz` runs 20,000):
 
     SPECEE_FUZZ_ACTIONS=20000 SPECEE_FUZZ_SEED=7 pytest -q tests/test_fuzz.py
@@ -18,7 +18,7 @@ import pytest
 
 import tests.fuzz_engine as fuzz
 from specee_edge.engine.engine import Engine
-from tests.fuzz_engine import EngineFuzzer, FuzzFailure
+from tests.fuzz_engine import EngineFuzzer, FuzzFailure, write_multilayer_pack
 
 DEFAULT_ACTIONS = 2000
 DEFAULT_SEED = 14
@@ -30,9 +30,14 @@ def fuzz_settings() -> tuple[int, int]:
             int(os.environ.get("SPECEE_FUZZ_SEED", DEFAULT_SEED)))
 
 
-def test_engine_state_fuzz(default_model, capsys, record_property):
+@pytest.fixture(scope="module")
+def multi_pack(default_model, tmp_path_factory):
+    return write_multilayer_pack(default_model.info.path, tmp_path_factory.mktemp("fuzz") / "multi.specee.gguf")
+
+
+def test_engine_state_fuzz(default_model, multi_pack, capsys, record_property):
     n_actions, seed = fuzz_settings()
-    fuzzer = EngineFuzzer(default_model.info.path, seed=seed)
+    fuzzer = EngineFuzzer(default_model.info.path, seed=seed, multi_pack=multi_pack)
     try:
         report = fuzzer.run(n_actions)
     finally:
@@ -47,8 +52,10 @@ def test_engine_state_fuzz(default_model, capsys, record_property):
         ev, kinds = report.events, report.kinds
         for kind in ("chat", "regen", "clear", "early_exit", "threshold", "engine", "overflow", "fill"):
             assert kinds[kind] > 0, f"no {kind} action in {n_actions}"
-        for event in ("exits_mask", "exits_fill", "exits_full", "interrupted", "finish_context", "finish_length",
-                      "context_full_error", "vanilla_checked", "twin_syncs", "deep_checks"):
+        for event in ("exits_mask", "exits_fill", "exits_full", "exits_mask_skipping_2+_layers",
+                      "exits_fill_skipping_2+_layers", "exits_full_skipping_2+_layers", "interrupted",
+                      "finish_context", "finish_length", "context_full_error", "vanilla_checked", "twin_syncs",
+                      "deep_checks"):
             assert ev[event] > 0, f"no {event} in {n_actions} actions"
         assert ev["twin_compared_decodes"] >= n_actions // 8
 
@@ -56,8 +63,8 @@ def test_engine_state_fuzz(default_model, capsys, record_property):
 # --- the fuzzer can fail: planted defects are caught, and the message says how to replay -----------
 
 
-def run_until_failure(model_path) -> str:
-    fuzzer = EngineFuzzer(model_path, seed=DEFAULT_SEED)
+def run_until_failure(model_path, multi_pack) -> str:
+    fuzzer = EngineFuzzer(model_path, seed=DEFAULT_SEED, multi_pack=multi_pack)
     try:
         with pytest.raises(FuzzFailure) as caught:
             fuzzer.run(SELF_TEST_ACTIONS)
@@ -69,13 +76,13 @@ def run_until_failure(model_path) -> str:
     return message
 
 
-def test_fuzzer_catches_a_cache_the_engine_lost_track_of(default_model, monkeypatch):
+def test_fuzzer_catches_a_cache_the_engine_lost_track_of(default_model, multi_pack, monkeypatch):
     """An engine that forgets to drop the token an interrupt left in the cache."""
     monkeypatch.setattr(Engine, "_sync_cache", lambda self: None)
-    assert "cache lengths disagree" in run_until_failure(default_model.info.path)
+    assert "cache lengths disagree" in run_until_failure(default_model.info.path, multi_pack)
 
 
-def test_fuzzer_catches_kv_that_differ_from_a_clean_replay(default_model, monkeypatch):
+def test_fuzzer_catches_kv_that_differ_from_a_clean_replay(default_model, multi_pack, monkeypatch):
     """Mask-mode engines checked against twins that fill instead: the exited cells' skipped layers hold
     other K/V, which only the decodes after them can see. Twins follow everything here, to be quick."""
     original = fuzz.Twin.__init__
@@ -86,4 +93,5 @@ def test_fuzzer_catches_kv_that_differ_from_a_clean_replay(default_model, monkey
     monkeypatch.setattr(fuzz.Twin, "__init__", filling_twin)
     monkeypatch.setattr(fuzz, "TWIN_SHARE", 1.0)
     monkeypatch.setattr(fuzz, "TWIN_SYNC_P", 1.0)
-    assert "not reproduced by a context that replays only the live decodes" in run_until_failure(default_model.info.path)
+    message = run_until_failure(default_model.info.path, multi_pack)
+    assert "not reproduced by a context that replays only the live decodes" in message
