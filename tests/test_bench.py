@@ -11,12 +11,14 @@ import pytest
 from llama_cpp import Llama
 from typer.testing import CliRunner
 
-from specee_edge.bench.run import pick_prompts
+from specee_edge.bench.run import bench_qualities, pick_prompts
 from specee_edge.bench.runner import VanillaLane
 from specee_edge.data.prompts import Prompt
 from specee_edge.cli import app
 from specee_edge.engine import DEFAULT_KV_MODE
-from tests.conftest import CHAT_PROMPT
+from specee_edge.errors import SpecEEError
+from specee_edge.pack import read_pack
+from tests.conftest import CHAT_PROMPT, LOOSE, SHIPPED_PACK, STRICT, write_two_level_pack
 
 BENCH_DOC = Path(__file__).resolve().parents[1] / "docs" / "bench.md"
 PROMPTS, TOKENS = 2, 8
@@ -43,6 +45,22 @@ def bench_run(tmp_path_factory) -> tuple[dict, Path, str]:
     return json.loads((out / "bench.json").read_text()), out / "exits.png", result.output
 
 
+@pytest.fixture(scope="module")
+def two_level_pack(tmp_path_factory) -> Path:
+    return write_two_level_pack(tmp_path_factory.mktemp("pack") / "two.specee.gguf")
+
+
+@pytest.fixture(scope="module")
+def sweep_run(tmp_path_factory, two_level_pack) -> tuple[dict, Path, str]:
+    """`--quality all` on a two-level pack: one SpecEE lane per level in one interleaved run."""
+    out = tmp_path_factory.mktemp("sweep")
+    args = ["bench", "--pack", str(two_level_pack), "--quality", "all", "-p", str(PROMPTS), "-n", str(TOKENS),
+            "-t", "1", "--ppl-tokens", "32", "--json", str(out / "sweep.json"), "--plot", str(out / "sweep.png")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "sweep.json").read_text()), out / "sweep.png", result.output
+
+
 def test_json_has_every_documented_key(bench_run):
     data, _, _ = bench_run
     top, per_mode = documented_keys()
@@ -51,6 +69,8 @@ def test_json_has_every_documented_key(bench_run):
     assert set(data["modes"]) == {DEFAULT_KV_MODE}
     assert set(data["modes"][DEFAULT_KV_MODE]) == per_mode
     assert set(data["ms_per_token"]) == {"draft", "layers", "predictor", "verify", "other", "sample"}
+    default = read_pack(SHIPPED_PACK).default_quality
+    assert data["quality"] == data["default_quality"] == default
 
 
 def test_values_are_sane(bench_run):
@@ -63,7 +83,7 @@ def test_values_are_sane(bench_run):
     assert data["oracle_speedup"] >= 1
     assert 0 <= data["agreement"] <= 1
     assert 0 <= data["exact_prefix"] <= TOKENS
-    assert 1 < data["ppl_full"] < 1e4 and 1 < data["ppl_specee"] < 1e4
+    assert 1 < data["ppl_full"] < 1e4 and 1 < data["ppl_specee"] < 1e4 and 1 < data["ppl_specee_raw"] < 1e4
     assert 0 <= data["avg_exit_layer"] <= n_layer - 1 and 0 <= data["oracle_avg_exit_layer"] <= n_layer - 1
     for rate in ("exit_rate", "verify_fail_rate", "draft_recall_at_k"):
         assert 0 <= data[rate] <= 1
@@ -79,8 +99,46 @@ def test_values_are_sane(bench_run):
 def test_terminal_report_and_plot(bench_run):
     _, plot, output = bench_run
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for figure in ("vanilla", "speedup", "oracle_speedup", "agreement", "exact_prefix", "exit layers", "ms per decode step"):
+    for figure in ("vanilla", "speedup", "oracle_speedup", "agreement", "prefix", "exit layers", "ms per decode step"):
         assert figure in output
+
+
+def test_quality_sweep_has_a_lane_per_level(sweep_run):
+    data, _, _ = sweep_run
+    _, per_mode = documented_keys()
+    lanes = {f"{DEFAULT_KV_MODE}@{LOOSE:g}": LOOSE, f"{DEFAULT_KV_MODE}@{STRICT:g}": STRICT}
+    assert set(data["modes"]) == set(lanes)
+    for name, quality in lanes.items():
+        mode = data["modes"][name]
+        assert set(mode) == per_mode
+        assert (mode["kv_mode"], mode["quality"]) == (DEFAULT_KV_MODE, quality)
+        assert 0 <= mode["agreement"] <= 1 and 0 < mode["speedup"] and 1 < mode["ppl_specee_raw"] < float("inf")
+    # the top level is the default level's lane
+    assert data["quality"] == data["default_quality"] == STRICT
+    assert data["speedup"] == data["modes"][f"{DEFAULT_KV_MODE}@{STRICT:g}"]["speedup"]
+    # threshold 0.3 lets tokens exit, and the temperatures then move the perplexity
+    loose = data["modes"][f"{DEFAULT_KV_MODE}@{LOOSE:g}"]
+    assert loose["exit_rate"] > 0 and loose["ppl_specee"] != loose["ppl_specee_raw"]
+
+
+def test_quality_sweep_table_and_plot(sweep_run):
+    _, plot, output = sweep_run
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = output[output.index("speed and quality"):]
+    rows = [line.split()[0] for line in table.splitlines()[:14] if line.strip()]
+    lanes = [f"{DEFAULT_KV_MODE}@{LOOSE:g}", f"{DEFAULT_KV_MODE}@{STRICT:g}*"]
+    assert rows[rows.index("vanilla"):rows.index("oracle") + 1] == ["vanilla", *lanes, "oracle"]
+
+
+def test_bench_qualities(two_level_pack):
+    pack = read_pack(two_level_pack)
+    assert bench_qualities(None, pack) == [None]  # the engine takes the pack's default
+    assert bench_qualities("all", pack) == [LOOSE, STRICT]
+    assert bench_qualities("0.95,0.99", pack) == [STRICT]  # each the lowest level at or above it
+    assert bench_qualities(f"{STRICT}, {LOOSE}", pack) == [LOOSE, STRICT]
+    for bad in ("high", "0.9,", "1.5", "0", "0.999"):
+        with pytest.raises(SpecEEError):
+            bench_qualities(bad, pack)
 
 
 def test_vanilla_lane_is_stock_greedy(default_model):
@@ -110,3 +168,10 @@ def test_bad_kv_mode_is_one_line_error():
     result = CliRunner().invoke(app, ["bench", "--kv-mode", "nope"])
     assert result.exit_code == 1
     assert "unknown KV mode" in result.output
+
+
+@pytest.mark.parametrize("quality, message", [("0.999", "no quality level at or above 0.999"), ("best", "such as 0.95")])
+def test_bad_quality_is_one_line_error(quality, message):
+    result = CliRunner().invoke(app, ["bench", "--quality", quality])
+    assert result.exit_code == 1
+    assert result.output.strip().count("\n") == 0 and message in result.output

@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from specee_edge.cli.render import depth_legend, depth_style, footer
+from specee_edge.cli.render import depth_legend, depth_style, exit_setting, footer
 from specee_edge.cli.repl import Repl, ReplSettings
 from specee_edge.default_model import default_model_path
 from specee_edge.engine import GREEDY, Engine, EngineConfig, GenerationStats, SamplingParams
 from specee_edge.shipped import shipped_dir
+from tests.conftest import LOOSE, STRICT, write_two_level_pack
 
 CLI = str(Path(sys.executable).with_name("specee-edge"))
 PACK = shipped_dir() / "SmolLM2-135M-Instruct.Q4_1.specee.gguf"
@@ -298,7 +299,8 @@ def test_bad_pack(env):
 
 @needs_pack
 def test_generate_json_with_the_shipped_pack(env):
-    result = run_cli("generate", "-p", "What is the capital of France?", "-n", "24", *FAST, "--json", env=env)
+    result = run_cli("generate", "-p", "What is the capital of France?", "-n", "24", *FAST, "--json",
+                     "--quality", "0.98", env=env)  # a level with layers on (the default turns them all off)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     stats = out["stats"]
@@ -313,8 +315,8 @@ def test_repl_exit_stats_with_the_shipped_pack(env):
     result = run_cli("chat", "-n", "16", *FAST, "--color-exits", env=env, stdin=script)
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert f"pack {PACK.name}) · early exit on" in out and "exit depth: 0-14" in out
-    assert re.search(r"\| avg exit layer [\d.]+/29 \| exit \d+% \]", out)
+    assert re.search(rf"pack {re.escape(PACK.name)}\) · early exit on, quality [\d.]+\n", out) and "exit depth: 0-14" in out
+    assert re.search(r"\| avg exit layer [\d.]+/29 \| exit \d+% \| quality [\d.]+ \]", out)
     assert re.search(r"predictor_calls_per_token\s+[\d.]+", out)
     assert re.search(r"pack\s+" + re.escape(str(PACK)), out)
     assert "early exit off ]" in out  # the reply after /early-exit off
@@ -325,7 +327,9 @@ def test_repl_exit_stats_with_the_shipped_pack(env):
 def test_footer_and_exit_colours():
     stats = GenerationStats(30, True, n_prompt=10, n_decode=4, prompt_s=0.1, decode_s=0.2, exits=2, exit_layer_sum=80)
     assert footer(stats) == "[ prompt 100.0 t/s | generation 20.0 t/s | avg exit layer 20.0/29 | exit 50% ]"
+    assert footer(stats, "quality 0.95, threshold 0.5").endswith("| exit 50% | quality 0.95, threshold 0.5 ]")
     assert footer(GenerationStats(30, False)).endswith("| early exit off ]")
+    assert footer(GenerationStats(30, False), "quality 0.95").endswith("| early exit off ]")
     assert depth_style(None, 30) == ""
     assert depth_style(3, 30) == "bold green" and depth_style(28, 30) == "magenta"
     assert depth_legend(30).plain == "exit depth: 0-14 15-19 20-24 25-28 full (29)"
@@ -335,10 +339,78 @@ def test_set_threshold_reaches_the_native_predictors(default_model):
     """/set threshold changes the thresholds the C predictors use, not only the Python copy."""
     engine = Engine(default_model.info.path, config=EngineConfig(n_ctx=512, n_threads=2))
     repl, _ = make_repl(engine, max_tokens=24)
-    repl.command("/set threshold 1")  # no sigmoid exceeds 1: nothing exits
+    repl.command("/set threshold 1")  # no sigmoid exceeds 1: the predictors run, nothing exits
     repl.send("Tell me about the moon.")
     assert engine.stats.exits == 0 and engine.stats.probes > 0
     repl.command("/set threshold 0")  # every positive verified: exits
     repl.command("/regen")
-    assert engine.stats.exits > 0
+    assert engine.stats.exits > 0 and engine.stats.probes > 0
     engine.close()
+
+
+# --- quality levels ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_level_pack(tmp_path_factory) -> Path:
+    return write_two_level_pack(tmp_path_factory.mktemp("pack") / "two.specee.gguf")
+
+
+@needs_pack
+def test_generate_at_a_quality_level(env, two_level_pack):
+    result = run_cli("generate", "-p", "Name a colour.", "-n", "8", *FAST, "--pack", str(two_level_pack),
+                     "--quality", str(LOOSE), env=env)
+    assert result.returncode == 0, result.stderr
+    assert re.search(rf"\| exit \d+% \| quality {LOOSE:g} \]", result.stderr)
+    result = run_cli("generate", "-p", "Name a colour.", "-n", "8", *FAST, "--pack", str(two_level_pack),
+                     "--quality", "0.95", "--threshold", "0.5", env=env)  # the lowest level at or above 0.95
+    assert result.returncode == 0, result.stderr
+    assert re.search(rf"\| quality {STRICT:g}, threshold 0.5 \]", result.stderr)
+
+
+@needs_pack
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("quality, message", [
+    ("0.999", "error: no quality level at or above 0.999 in this pack (it offers "),
+    ("best", "error: a quality is an agreement with the full model such as 0.95 (or default), got 'best'"),
+    ("1.5", "error: a quality is an agreement with the full model, in (0, 1]: got 1.5"),
+])
+def test_bad_quality_is_one_line_and_exit_1(env, command, quality, message):
+    args = ["-p", "hi"] if command == "generate" else []
+    result = run_cli(command, *args, "-n", "2", *FAST, "--quality", quality, env=env, stdin="/exit\n")
+    assert result.returncode == 1  # chat too: the level was asked for, so no falling back to early exit off
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), lines
+    assert result.stdout == ""
+
+
+@needs_pack
+def test_set_quality_in_the_repl(default_model, two_level_pack):
+    engine = Engine(default_model.info.path, pack=two_level_pack, config=EngineConfig(n_ctx=512, n_threads=1))
+    repl, out = make_repl(engine)
+    assert engine.policy.quality == STRICT  # the pack's default
+    repl.command(f"/set quality {LOOSE}")
+    assert engine.policy.quality == LOOSE and "quality = 0.9" in out.getvalue()
+    repl.command("/set threshold 0.5")
+    assert exit_setting(engine) == f"quality {LOOSE:g}, threshold 0.5"
+    repl.send("Hi")
+    assert re.search(rf"\| quality {LOOSE:g}, threshold 0.5 \]", out.getvalue())
+    repl.command("/set quality default")  # the default level, and the threshold override is gone
+    assert engine.policy.quality == STRICT and engine.policy.threshold is None
+    repl.command("/set quality 0.95")  # the lowest level at or above it
+    assert engine.policy.quality == STRICT
+    repl.command("/show info")
+    assert re.search(rf"quality\s+{STRICT:g} \(the pack's default\); the pack offers {LOOSE:g}, {STRICT:g}", out.getvalue())
+    for bad in ("/set quality 0.999", "/set quality best", "/set quality"):
+        repl.command(bad)
+    assert engine.policy.quality == STRICT
+    errors = [line for line in out.getvalue().splitlines() if line.startswith("error:")]
+    assert len(errors) == 3, errors
+    repl.command("/help")
+    assert "/set quality Q|default" in out.getvalue()
+    engine.close()
+
+
+def test_set_quality_without_a_pack(engine):
+    repl, out = make_repl(engine)
+    repl.command("/set quality 0.9")
+    assert "error: no pack is loaded" in out.getvalue()

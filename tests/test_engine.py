@@ -21,10 +21,11 @@ QUESTIONS = [
     "Write a Python function that returns the factorial of n.",
     "List three tips for staying focused while studying.",
 ]
-# Agreement floor: calibration sets every layer's exits to precision 0.99 on held-out answers
-# (teacher-forced, exact K/V); the bench measures 0.98-0.99 on its prompts with the mask KV mode.
-# 0.95 leaves room for three short answers and the K/V approximation, and still fails when the
-# predictors or the KV handling break (untrained predictors agree ~0.6-0.8).
+# The level that exits here: calibration checked it through the engine on held-out answers (0.98
+# agreement with its approximate K/V), and the bench measures 0.988 on its prompts. The floor 0.95
+# leaves room for three short answers, and still fails when the predictors or the KV handling break
+# (untrained predictors agree ~0.6-0.8).
+EXIT_QUALITY = 0.98
 AGREEMENT_FLOOR = 0.95
 
 
@@ -84,6 +85,7 @@ def test_early_exit_off_matches_stock_llama(engine, default_model):
 
 
 def test_exits_happen_and_agree_with_the_full_model(engine):
+    engine.set_quality(EXIT_QUALITY)
     agree = total = exits = 0
     for question in QUESTIONS:
         engine.reset()
@@ -95,6 +97,7 @@ def test_exits_happen_and_agree_with_the_full_model(engine):
         reference = full_model_argmax(engine, prompt, out.tokens)
         agree += sum(a == b for a, b in zip(out.tokens, reference))
         total += len(out.tokens)
+    engine.set_quality(None)
     assert exits > 0
     assert agree / total >= AGREEMENT_FLOOR, f"agreement {agree / total:.3f}"
 
@@ -227,6 +230,7 @@ def test_bad_arguments_are_one_line_errors(engine):
 
 def test_early_exit_can_be_switched_mid_conversation(engine):
     engine.reset()
+    engine.set_quality(EXIT_QUALITY)  # a level with layers on
     messages = [{"role": "user", "content": "Name a fruit."}]
     engine.set_early_exit(False)
     try:
@@ -236,4 +240,5 @@ def test_early_exit_can_be_switched_mid_conversation(engine):
     assert first.stats.predictor_calls_per_token == 0
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And a vegetable?"}]
     second = engine.chat(messages, max_tokens=12, sampling=GREEDY)
+    engine.set_quality(None)
     assert second.stats.predictor_calls_per_token > 0

@@ -58,6 +58,7 @@ def test_info_and_convert_work_without_llama_cpp(tiny_dir, tmp_path):
     result = run_without_llama_cpp("info", str(SHIPPED_PACK))
     assert result.returncode == 0, result.stderr
     assert "candidates (k)" in result.stdout and "llama, 30 layers" in result.stdout
+    assert "quality levels" in result.stdout and "temperature" in result.stdout
 
     model = tiny_model_path(tiny_dir, "llama")
     result = run_without_llama_cpp("info", str(model))

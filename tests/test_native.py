@@ -11,7 +11,7 @@ import pytest
 from specee_edge.draft import LinearDraft
 from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.engine.exit import find_pack
-from specee_edge.pack import read_pack
+from specee_edge.pack import read_pack, write_pack
 from specee_edge.predictor.features import probe_features
 from specee_edge.runtime import Context
 from specee_edge.runtime.context import GraphInfo
@@ -161,3 +161,24 @@ def test_graphs_hold_only_what_is_asked(default_model):
     mask.generate(prompt, max_tokens=2, sampling=GREEDY)  # the shallow cells are gone
     assert mask.ctx.step_info().graph == GraphInfo(probes=0, draft=False, depth_mask=False)
     mask.close()
+
+
+def test_a_level_that_turns_every_layer_off_decodes_plainly(default_model, tmp_path):
+    """Calibration turns a layer off at a level by giving it threshold 1; with every layer off the
+    engine takes the plain path: stock graphs, no draft, no probes, vanilla's tokens."""
+    pack = read_pack(find_pack(default_model.info.path))
+    off = dataclasses.replace(pack.levels[0], quality=0.99, thresholds=dict.fromkeys(pack.predictors, 1.0), offline=[])
+    path = write_pack(tmp_path / "off.specee.gguf", dataclasses.replace(
+        pack, levels=[pack.levels[0], off], default_quality=0.99), draft_quant=pack.draft.quant)
+    prompt = default_model.tokenize(CHAT_PROMPT)
+    engine = Engine(default_model.info.path, pack=path, config=EngineConfig(n_ctx=512, n_threads=2))
+    vanilla = Engine(default_model.info.path, config=EngineConfig(n_ctx=512, n_threads=2, early_exit=False))
+    assert engine.policy.idle
+    out = engine.generate(prompt, max_tokens=STEPS, sampling=GREEDY)
+    assert out.tokens == vanilla.generate(prompt, max_tokens=STEPS, sampling=GREEDY).tokens
+    assert out.stats.predictor_calls_per_token == 0 and out.stats.exits == 0
+    assert engine.ctx.step_info().graph == GraphInfo(probes=0, draft=False, depth_mask=False)
+    engine.set_quality(pack.levels[0].quality)  # a level with layers on wakes it up
+    assert not engine.policy.idle
+    engine.close()
+    vanilla.close()

@@ -22,7 +22,9 @@ from specee_edge.pack import (
     DraftHead,
     Pack,
     PackError,
+    PackLevelError,
     PackMismatchError,
+    QualityLevel,
     Schedule,
     check_target,
     read_pack,
@@ -88,6 +90,11 @@ def sample_pack(target, *, draft: bool = True) -> Pack:
         draft=DraftHead("linear", linear_draft_tensors(target.n_embd), vocab_map=np.arange(100, dtype=np.int64))
         if draft else None,
         provenance={"command": "test", "samples_per_layer": [10, 20, 30]},
+        # values that float32 holds exactly, so a round trip compares equal
+        levels=[QualityLevel(0.9, {0: 0.625, 1: 0.5, 2: 1.0}, [1], 0.25, 0.9375, 1.25, 0.125),
+                QualityLevel(0.98, {0: 1.0, 1: 0.8125, 2: 1.0}, [], 0.125, 0.984375, 1.0625, 0.015625)],
+        default_quality=0.98,
+        temperatures={0: 1.5, 1: 1.25, 2: 0.875},
     )
 
 
@@ -103,6 +110,7 @@ def test_round_trip_f32_is_exact(tiny, tmp_path):
     back = read_pack(write_pack(tmp_path / "p.gguf", pack, draft_quant="q8_0"))
     assert (back.target, back.k, back.threshold, back.schedule, back.provenance) == (
         pack.target, pack.k, pack.threshold, pack.schedule, pack.provenance)
+    assert (back.levels, back.default_quality, back.temperatures) == (pack.levels, pack.default_quality, pack.temperatures)
     assert back.predictors.keys() == pack.predictors.keys()
     for layer, p in pack.predictors.items():
         for a, b in zip(p.weights + p.biases, back.predictors[layer].weights + back.predictors[layer].biases):
@@ -243,12 +251,16 @@ def test_pack_with_either_fingerprint_form_is_accepted(tiny, tmp_path):
         check_target(pack.target, target, tmp_path / "p.gguf", path)
 
 
-def test_shipped_pack_holds_the_legacy_fingerprint_of_the_default_model():
-    """The legacy text, written out without numpy's repr, reproduces what the shipped pack was made with."""
+# what the version 1 pack shipped before quality levels held: the legacy form of the default model's fingerprint
+V1_SHIPPED_FINGERPRINT = "f2832d9e6375501c3d188f2f7ccbcc220ebf123678d850e54e135a9a3550b0a0"
+
+
+def test_shipped_pack_holds_the_current_fingerprint_and_the_legacy_form_still_reproduces():
+    """The legacy text, written out without numpy's repr, reproduces what the earlier pack was made with."""
     shipped = read_pack(shipped_dir() / "SmolLM2-135M-Instruct.Q4_1.specee.gguf")
     model = target_identity(default_model_path())
-    assert shipped.target.fingerprint == model.legacy_fingerprint
-    assert model.accepts(shipped.target)
+    assert shipped.target.fingerprint == model.fingerprint
+    assert model.legacy_fingerprint == V1_SHIPPED_FINGERPRINT
 
 
 # --- hostile packs -------------------------------------------------------------------------------
@@ -286,6 +298,35 @@ def test_broken_packs_are_refused(tiny, tmp_path, monkeypatch):
             write_pack(tmp_path / "refused.gguf", pack)
 
 
+def test_quality_levels_pick_the_lowest_level_at_or_above_the_ask(tiny):
+    _, target = tiny
+    pack = sample_pack(target)
+    assert pack.level().quality == 0.98  # the default
+    assert pack.level(0.9).quality == 0.9
+    assert pack.level(0.95).quality == 0.98  # never less quality than asked
+    with pytest.raises(PackLevelError, match="no quality level at or above 0.99 in this pack \\(it offers 0.9, 0.98\\)"):
+        pack.level(0.99)
+    converted = dataclasses.replace(pack, levels=[], default_quality=None)
+    assert converted.level() is None
+    with pytest.raises(PackLevelError, match="no quality levels"):
+        converted.level(0.9)
+
+
+def test_inconsistent_levels_are_refused(tiny, tmp_path, monkeypatch):
+    _, target = tiny
+    cases = {
+        "must ascend": dict(levels=lambda p: p.levels[::-1]),
+        "default quality": dict(default_quality=lambda p: 0.95),
+        "one per predictor layer": dict(levels=lambda p: [p.levels[0], dataclasses.replace(p.levels[1], thresholds={0: 0.5})]),
+        "temperatures": dict(temperatures=lambda p: {0: 0.0}),
+    }
+    for reason, change in cases.items():
+        pack = sample_pack(target, draft=False)
+        pack = dataclasses.replace(pack, **{k: f(pack) for k, f in change.items()})
+        with pytest.raises(PackError, match=reason):
+            write_pack(tmp_path / "refused.gguf", pack)
+
+
 def test_unknown_version_missing_tensor_and_wrong_files(tiny, tmp_path, monkeypatch):
     path, target = tiny
     monkeypatch.setattr(pack_io, "FORMAT_VERSION", 99)
@@ -293,6 +334,11 @@ def test_unknown_version_missing_tensor_and_wrong_files(tiny, tmp_path, monkeypa
     monkeypatch.undo()
     with pytest.raises(PackError, match="version 99"):
         read_pack(future)
+    monkeypatch.setattr(pack_io, "FORMAT_VERSION", 1)
+    old = write_pack(tmp_path / "old.gguf", sample_pack(target, draft=False))
+    monkeypatch.undo()
+    with pytest.raises(PackError, match=r"^old.gguf is a version 1 pack \(no quality levels\): recalibrate it with `specee-edge calibrate"):
+        read_pack(old)
 
     good = write_pack(tmp_path / "good.gguf", sample_pack(target, draft=False))
     data = good.read_bytes().replace(b"pred.1.fc1.bias", b"pred.1.fc1.XXXX")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -59,22 +60,31 @@ def log_softmax_at(logits: np.ndarray, token: int) -> float:
     return float(z[token] - top - np.log(np.sum(np.exp(z - top))))
 
 
+@dataclass
+class Perplexity:
+    value: float  # the engine's logits: exits divided by their layer's calibrated temperature
+    raw: float    # the exits' logits as the layer computes them
+
+
 def perplexity(engine: Engine, tokens: Sequence[int], *, early_exit: bool,
-               advance: Callable[[float], None] = lambda n: None) -> float:
-    """Teacher forcing through the engine one token at a time, exits on or off: exp(mean NLL of tokens[1:])."""
+               advance: Callable[[float], None] = lambda n: None) -> Perplexity:
+    """Teacher forcing through the engine one token at a time, exits on or off: exp(mean NLL of tokens[1:]),
+    with and without the pack's temperatures (one pass: the tokens' exits are the same)."""
     previous = engine.early_exit
     engine.set_early_exit(early_exit)
     engine.reset()
     try:
         for _ in engine.stream(tokens[:1], max_tokens=1, sampling=GREEDY):  # the first token, as a prompt
             pass
-        nll = 0.0
+        nll = raw_nll = 0.0
         for i, token in enumerate(tokens[1:], 1):
-            nll -= log_softmax_at(engine.ctx.logits(), token)
+            nll -= log_softmax_at(engine.logits(), token)
+            raw_nll -= log_softmax_at(engine.ctx.logits(), token)
             if i < len(tokens) - 1:
                 engine._forward(token)  # the token's step, exits as the policy decides
             advance(1)
     finally:
         engine.set_early_exit(previous)
         engine.reset()
-    return float(np.exp(nll / max(len(tokens) - 1, 1)))
+    n = max(len(tokens) - 1, 1)
+    return Perplexity(float(np.exp(nll / n)), float(np.exp(raw_nll / n)))

@@ -1,4 +1,5 @@
-"""Bench results: dataclasses, the JSON document, rich tables and the exit-layer histogram (text and PNG)."""
+"""Bench results: dataclasses, the JSON document, rich tables, the exit-layer histogram and the
+speed/quality trade-off (text and PNG)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from rich import box
 from rich.console import Group
 from rich.table import Table
 
@@ -18,16 +20,18 @@ HISTOGRAM_WIDTH = 48  # text cells shared by the histogram's bars (80-column ter
 
 @dataclass
 class ModeResult:
-    """SpecEE with one KV mode; names from SPEC.md §5."""
+    """SpecEE with one KV mode at one quality level; names from SPEC.md §5."""
 
-    kv_mode: str
+    kv_mode: str                      # `MODE/python` for the Python exit policy
+    quality: float | None             # the pack's quality level (None: a pack without levels)
     steps: int                        # timed decode steps (each prompt's first token comes from the prompt pass)
     specee_tok_s: float
     speedup: float
     gain_captured: float | None       # None when oracle_speedup is 1 (nothing to capture)
     agreement: float
     exact_prefix: float
-    ppl_specee: float
+    ppl_specee: float                 # with the pack's temperatures on exit logits
+    ppl_specee_raw: float             # without them
     avg_exit_layer: float
     exit_rate: float
     predictor_calls_per_token: float
@@ -55,16 +59,27 @@ class BenchResult:
     time_model: TimeModel
     ppl_full: float
     ppl_tokens: int
+    default_quality: float | None     # the pack's default level (None: a pack without levels)
     modes: list[ModeResult]
     seconds: float
     command: str
 
     @property
     def main(self) -> ModeResult:
-        return self.modes[0]
+        """The first KV mode at the pack's default level (the first lane if that level was not run)."""
+        return next((m for m in self.modes if m.quality == self.default_quality), self.modes[0])
+
+    def lane(self, mode: ModeResult) -> str:
+        """A lane's name: its KV mode, and its quality level when the run has several."""
+        several = len({m.quality for m in self.modes}) > 1
+        return f"{mode.kv_mode}@{mode.quality:g}" if several else mode.kv_mode
+
+    @property
+    def oracle_exit_rate(self) -> float:
+        return 1 - self.oracle_histogram[-1] / max(sum(self.oracle_histogram), 1)
 
     def to_json(self) -> dict:
-        """The first KV mode's figures at the top level; every mode's under `modes`."""
+        """The main lane's figures at the top level; every lane's under `modes`."""
         shared = asdict(self)
         del shared["modes"]
         main = asdict(self.main)
@@ -76,7 +91,7 @@ class BenchResult:
             **main,
             "oracle_tok_s": self.vanilla_tok_s * self.oracle_speedup,
             **shared,
-            "modes": {m.kv_mode: asdict(m) for m in self.modes},
+            "modes": {self.lane(m): asdict(m) for m in self.modes},
         }
 
     def write_json(self, path: Path) -> None:
@@ -85,7 +100,7 @@ class BenchResult:
     # --- terminal ----------------------------------------------------------------------------
 
     def render(self) -> Group:
-        return Group(self._run(), self._modes(), self._time_split(), self._histogram())
+        return Group(self._run(), self._quality(), self._machinery(), self._time_split(), self._histogram())
 
     def _run(self) -> Table:
         table = Table(title=f"specee-edge bench: {self.model}", show_header=False)
@@ -105,22 +120,37 @@ class BenchResult:
             table.add_row(label, value)
         return table
 
-    def _modes(self) -> Table:
-        table = Table(title="SpecEE")
-        table.add_column("kv_mode", style="bold")
+    def _quality(self) -> Table:
+        """Speed against quality: a row per lane (KV mode at a quality level; * the pack's default), vanilla
+        and the oracle. Headers break between words, so that the table fits 80 columns."""
+        table = Table(title="speed and quality", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
+                      caption="* the pack's default level; ppl with the pack's temperatures, ppl raw without"
+                      if self.default_quality is not None else None)
+        table.add_column("lane", style="bold", no_wrap=True, vertical="bottom")
+        for name in ("speedup", "agreement", "exact\nprefix", "ppl", "ppl\nraw", "avg\nexit\nlayer", "exit\nrate",
+                     "verify\nfail\nrate"):
+            table.add_column(name, justify="right", vertical="bottom")
+        table.add_row("vanilla", "1.000x", "1.000", "-", f"{self.ppl_full:.2f}", f"{self.ppl_full:.2f}",
+                      f"{self.n_layer - 1:.2f}", "0.000", "-")
         for m in self.modes:
-            table.add_column(m.kv_mode, justify="right")
+            label = m.kv_mode if m.quality is None else f"{m.kv_mode}@{m.quality:g}"
+            default = "*" if m.quality is not None and m.quality == self.default_quality else " "
+            table.add_row(label + default, f"{m.speedup:.3f}x", f"{m.agreement:.3f}", f"{m.exact_prefix:.1f}",
+                          f"{m.ppl_specee:.2f}", f"{m.ppl_specee_raw:.2f}", f"{m.avg_exit_layer:.2f}",
+                          f"{m.exit_rate:.3f}", f"{m.verify_fail_rate:.3f}")
+        table.add_row("oracle", f"{self.oracle_speedup:.3f}x", "1.000", "-", "-", "-",
+                      f"{self.oracle_avg_exit_layer:.2f}", f"{self.oracle_exit_rate:.3f}", "-")
+        return table
+
+    def _machinery(self) -> Table:
+        table = Table(title="SpecEE")
+        table.add_column("lane", style="bold")
+        for m in self.modes:
+            table.add_column(self.lane(m), justify="right")
         rows = [
             ("specee tok/s", lambda m: f"{m.specee_tok_s:.1f}"),
-            ("speedup", lambda m: f"{m.speedup:.3f}x"),
             ("gain_captured", lambda m: "-" if m.gain_captured is None else f"{m.gain_captured:+.2f}"),
-            ("agreement", lambda m: f"{m.agreement:.3f}"),
-            ("exact_prefix", lambda m: f"{m.exact_prefix:.1f} / {self.tokens}"),
-            ("ppl_specee", lambda m: f"{m.ppl_specee:.2f}"),
-            ("avg_exit_layer", lambda m: f"{m.avg_exit_layer:.2f}"),
-            ("exit_rate", lambda m: f"{m.exit_rate:.3f}"),
             ("predictor_calls_per_token", lambda m: f"{m.predictor_calls_per_token:.2f}"),
-            ("verify_fail_rate", lambda m: f"{m.verify_fail_rate:.3f}"),
             (f"draft_recall@{self.k}", lambda m: f"{m.draft_recall_at_k:.3f}"),
         ]
         for label, cell in rows:
@@ -131,7 +161,7 @@ class BenchResult:
         table = Table(title="ms per decode step")
         table.add_column("part", style="bold")
         for m in self.modes:
-            table.add_column(m.kv_mode, justify="right")
+            table.add_column(self.lane(m), justify="right")
         for part in TIME_PARTS:
             table.add_row(part, *(f"{m.ms_per_token[part]:.3f}" for m in self.modes))
         table.add_row("decode (all but sample)", *(f"{1e3 / m.specee_tok_s:.3f}" if m.specee_tok_s else "-" for m in self.modes))
@@ -140,7 +170,7 @@ class BenchResult:
     def _histogram(self) -> Table:
         table = Table(title=f"exit layers (layers without exits left out; {self.n_layer - 1} = ran every layer)")
         table.add_column("layer", justify="right")
-        columns = {"oracle": self.oracle_histogram, **{m.kv_mode: m.exit_histogram for m in self.modes}}
+        columns = {"oracle": self.oracle_histogram, **{self.lane(m): m.exit_histogram for m in self.modes}}
         width = max(4, HISTOGRAM_WIDTH // len(columns))
         for name in columns:
             table.add_column(name, no_wrap=True)
@@ -156,27 +186,64 @@ def bar(count: int, largest: int, width: int) -> str:
     return f"{'█' * cells}{' ' * (width - cells)} {count}" if count else ""
 
 
-def plot_histogram(result: BenchResult, path: Path) -> None:
-    """Exit layers of each KV mode beside the oracle's, as shares of the decode steps."""
+def plot_bench(result: BenchResult, path: Path) -> None:
+    """Speedup against agreement and against perplexity (a line per KV mode through its quality levels),
+    above the exit layers of every lane beside the oracle's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    columns = {"oracle": result.oracle_histogram, **{f"SpecEE ({m.kv_mode})": m.exit_histogram for m in result.modes}}
+    fig = plt.figure(figsize=(11, 8.5), layout="constrained")
+    top, bottom = fig.subfigures(2, 1, height_ratios=[1.1, 1])
+    agreement_ax, ppl_ax = top.subplots(1, 2, sharey=True)
+    _plot_tradeoff(result, agreement_ax, ppl_ax)
+    _plot_histogram(result, bottom.subplots())
+    m = result.main
+    fig.suptitle(f"{result.model}: {result.prompts} prompts x {result.tokens} tokens; {result.lane(m)} "
+                 f"{m.speedup:.3f}x at agreement {m.agreement:.3f} (oracle {result.oracle_speedup:.3f}x)")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_tradeoff(result: BenchResult, agreement_ax, ppl_ax) -> None:
+    """One point per quality level, labelled with it; vanilla at speedup 1, the oracle at agreement 1."""
+    by_mode: dict[str, list[ModeResult]] = {}
+    for m in result.modes:
+        by_mode.setdefault(m.kv_mode, []).append(m)
+    for i, (kv_mode, lanes) in enumerate(by_mode.items()):
+        lanes.sort(key=lambda m: m.quality or 0.0)
+        speedups = [m.speedup for m in lanes]
+        agreement_ax.plot([m.agreement for m in lanes], speedups, "o-", color=f"C{i}", label=f"SpecEE ({kv_mode})")
+        ppl_ax.plot([m.ppl_specee for m in lanes], speedups, "o-", color=f"C{i}", label=f"SpecEE ({kv_mode})")
+        ppl_ax.plot([m.ppl_specee_raw for m in lanes], speedups, "o:", color=f"C{i}", mfc="none",
+                    label=f"({kv_mode}) without temperatures")
+        for m in lanes:
+            if m.quality is not None:
+                for ax, x in ((agreement_ax, m.agreement), (ppl_ax, m.ppl_specee)):
+                    ax.annotate(f"{m.quality:g}", (x, m.speedup), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for ax, x in ((agreement_ax, 1.0), (ppl_ax, result.ppl_full)):
+        ax.plot([x], [1.0], "s", color="k", label="vanilla")
+    agreement_ax.plot([1.0], [result.oracle_speedup], "*", color="0.4", markersize=12, label="oracle")
+    ppl_ax.axhline(result.oracle_speedup, color="0.4", linestyle="--", linewidth=1, label="oracle")
+    agreement_ax.set_xlabel("agreement with the full model")
+    agreement_ax.set_ylabel("speedup against vanilla")
+    ppl_ax.set_xlabel(f"held-out perplexity ({result.ppl_tokens} tokens)")
+    for ax in (agreement_ax, ppl_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+
+
+def _plot_histogram(result: BenchResult, ax) -> None:
+    """Exit layers of each lane beside the oracle's, as shares of the decode steps."""
+    columns = {"oracle": result.oracle_histogram, **{f"SpecEE ({result.lane(m)})": m.exit_histogram for m in result.modes}}
     colors = ["0.6", *(f"C{i}" for i in range(len(result.modes)))]
     layers = np.arange(result.n_layer)
     width = 0.8 / len(columns)
-    fig, ax = plt.subplots(figsize=(10, 4.5), layout="constrained")
     for i, ((name, counts), color) in enumerate(zip(columns.items(), colors)):
         counts = np.asarray(counts, dtype=float)
         ax.bar(layers + (i - (len(columns) - 1) / 2) * width, counts / max(counts.sum(), 1), width, label=name, color=color)
     ax.set_xlabel(f"exit layer (0-based; {result.n_layer - 1} = ran every layer)")
     ax.set_ylabel("share of decode steps")
     ax.set_xticks(layers[:: max(1, result.n_layer // 15)])
-    m = result.main
-    ax.set_title(f"{result.model}: speedup ({m.kv_mode}) {m.speedup:.3f}x (oracle {result.oracle_speedup:.3f}x), "
-                 f"agreement {m.agreement:.3f}, {result.prompts} prompts x {result.tokens} tokens")
-    ax.legend()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.legend(fontsize=8)

@@ -13,12 +13,14 @@ from llama_cpp import Llama
 from threadpoolctl import threadpool_limits
 
 from specee_edge.bench.oracle import Oracle, TimeModel, oracle_depths, stop_lanes
-from specee_edge.bench.quality import agreement, exact_prefix, perplexity
+from specee_edge.bench.quality import Perplexity, agreement, exact_prefix, perplexity
 from specee_edge.bench.report import TIME_PARTS, BenchResult, ModeResult
 from specee_edge.bench.runner import SpecEELane, VanillaLane, run_interleaved
 from specee_edge.data.prompts import Prompt, bench_prompts, heldout_text
 from specee_edge.engine import AUTO, DEFAULT_KV_MODE, Engine, EngineConfig, GenerationStats
+from specee_edge.engine.exit import find_pack
 from specee_edge.errors import SpecEEError
+from specee_edge.pack import Pack, read_pack
 from specee_edge.runtime import Context
 from specee_edge.runtime.weights import TargetWeights
 from specee_edge.threads import default_threads
@@ -46,7 +48,8 @@ class BenchConfig:
     tokens: int = 96                 # generated per prompt (the first comes from the prompt pass)
     kv_modes: list[str] = field(default_factory=lambda: [DEFAULT_KV_MODE])
     threads: int = field(default_factory=default_threads)
-    threshold: float | None = None   # None: the pack's per-layer thresholds; above 1: exits impossible
+    quality: str | None = None       # --quality: None (the pack's default level), "all", or a list "0.95,0.99"
+    threshold: float | None = None   # None: the level's per-layer thresholds; above 1: exits impossible
     python_policy: bool = False      # also a lane per KV mode with the Python exit policy (its cost, same decisions)
     ppl_tokens: int = 0              # held-out tokens for perplexity; 0: all of them
     command: str = ""
@@ -63,19 +66,43 @@ def pick_prompts(prompts: Sequence[Prompt], n: int) -> list[Prompt]:
     return turns[:n] if n > 0 else turns
 
 
-def load_engines(config: BenchConfig) -> dict[str, Engine]:
-    """An engine per lane: each KV mode natively, and as `MODE/python` with the Python policy if asked.
-    Every engine times its in-graph draft (one extra scheduler split per token) for the ms-per-part table."""
-    engines = {}
+def bench_pack(config: BenchConfig) -> Pack:
+    """The pack the engines will load (as Engine finds it)."""
+    path = find_pack(config.model) if config.pack == AUTO else config.pack
+    if path is None:
+        raise SpecEEError(f"no pack found for {config.model.name}: pass --pack, or make one with "
+                          f"`specee-edge calibrate {config.model}`")
+    return read_pack(path)
+
+
+def bench_qualities(spec: str | None, pack: Pack) -> list[float | None]:
+    """The levels to run, ascending: --quality None is the pack's default (None), `all` every level,
+    a comma list the level Pack.level picks for each (the lowest at or above it)."""
+    if spec is None:
+        return [None]
+    if spec.strip().lower() == "all":
+        return [level.quality for level in pack.levels] or [None]
+    try:
+        asked = [float(q) for q in spec.split(",")]
+    except ValueError:
+        raise SpecEEError(f"--quality takes all or agreements such as 0.95,0.99, got {spec!r}") from None
+    if bad := [q for q in asked if not 0.0 < q <= 1.0]:
+        raise SpecEEError(f"--quality is an agreement with the full model, in (0, 1]: got {bad[0]:g}")
+    return sorted({pack.level(q).quality for q in asked})
+
+
+def load_engines(config: BenchConfig, qualities: Sequence[float | None]) -> list[tuple[str, Engine]]:
+    """An engine per lane: each KV mode at each quality level natively, and as `MODE/python` with the
+    Python policy if asked. Every engine times its in-graph draft (one extra scheduler split per token)
+    for the ms-per-part table."""
+    engines = []
     for mode in config.kv_modes:
-        for native in (True, False) if config.python_policy else (True,):
-            engine = Engine(config.model, pack=config.pack, config=EngineConfig(
-                n_ctx=ENGINE_CTX, n_threads=config.threads, kv_mode=mode, threshold=config.threshold,
-                native=native, profile=True))
-            if engine.policy is None:
-                raise SpecEEError(f"no pack found for {config.model.name}: pass --pack, or make one with "
-                                  f"`specee-edge calibrate {config.model}`")
-            engines[mode if native else f"{mode}/python"] = engine
+        for quality in qualities:
+            for native in (True, False) if config.python_policy else (True,):
+                engine = Engine(config.model, pack=config.pack, config=EngineConfig(
+                    n_ctx=ENGINE_CTX, n_threads=config.threads, kv_mode=mode, quality=quality,
+                    threshold=config.threshold, native=native, profile=True))
+                engines.append((mode if native else f"{mode}/python", engine))
     return engines
 
 
@@ -94,8 +121,10 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     start = time.perf_counter()
     if config.tokens < 2:
         raise SpecEEError("--tokens must be at least 2 (the first token comes from the prompt pass)")
-    engines = load_engines(config)
-    first = next(iter(engines.values()))
+    pack = bench_pack(config)
+    default_level = pack.level()
+    engines = load_engines(config, bench_qualities(config.quality, pack))
+    first = engines[0][1]
     model, n_layer, k = first.model, first.n_layer, first.policy.k
     selected = pick_prompts(bench_prompts(config.prompt_set), config.num_prompts)
     prompts = chat_prompts(first, selected)
@@ -104,11 +133,11 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
         raise SpecEEError(f"a prompt and its answer ({seq_ctx} tokens) must fit {ENGINE_CTX}: lower --tokens")
     heldout = first.tokenize(heldout_text())[: min(config.ppl_tokens or ENGINE_CTX, ENGINE_CTX)]
 
-    # 1. speed: vanilla, SpecEE per KV mode and the forced stops, token by token in turns
+    # 1. speed: vanilla, SpecEE per KV mode and quality level, and the forced stops, token by token in turns
     llm = Llama(model_path=str(config.model), n_ctx=seq_ctx, n_threads=config.threads,
                 n_threads_batch=config.threads, verbose=False)
     vanilla = VanillaLane(llm, config.tokens, model.is_eog)
-    lanes = [SpecEELane(mode, engine, config.tokens) for mode, engine in engines.items()]
+    lanes = [SpecEELane(mode, engine, config.tokens) for mode, engine in engines]
     stops = stop_lanes(model, n_ctx=seq_ctx, n_threads=config.threads, k=k)
     run_interleaved(prompts, vanilla, lanes, stops, reporter.task("decoding", len(prompts) * (config.tokens - 1)))
     time_model = TimeModel.fit(stops)
@@ -124,15 +153,15 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     # 3. quality: agreement, exact prefix, held-out perplexity with and without exits
     reference = Context(model, n_ctx=seq_ctx, n_batch=seq_ctx, n_threads=config.threads)
     advance = reporter.task("quality", sum(lane.timing.steps for lane in lanes) + (len(lanes) + 1) * (len(heldout) - 1))
-    ppl_full = perplexity(first, heldout, early_exit=False, advance=advance)
+    ppl_full = perplexity(first, heldout, early_exit=False, advance=advance).value
     modes = [
         mode_result(lane, vanilla, oracle,
                     agreement=agreement(reference, prompts, lane.outputs, advance),
-                    ppl_specee=perplexity(lane.engine, heldout, early_exit=True, advance=advance))
+                    ppl=perplexity(lane.engine, heldout, early_exit=True, advance=advance))
         for lane in lanes
     ]
     reference.close()
-    for engine in engines.values():
+    for _, engine in engines:
         engine.close()
     return BenchResult(
         model=config.model.name, pack=first.pack_path.name, n_layer=n_layer, threads=config.threads, k=k,
@@ -140,21 +169,24 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
         vanilla_steps=vanilla.timing.steps, vanilla_tok_s=vanilla.timing.tok_s,
         oracle_speedup=oracle.speedup, oracle_avg_exit_layer=oracle.avg_exit_layer,
         oracle_histogram=oracle.histogram, time_model=time_model, ppl_full=ppl_full, ppl_tokens=len(heldout),
-        modes=modes, seconds=time.perf_counter() - start, command=config.command,
+        default_quality=default_level.quality if default_level else None, modes=modes,
+        seconds=time.perf_counter() - start, command=config.command,
     )
 
 
 def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, *, agreement: float,
-                ppl_specee: float) -> ModeResult:
+                ppl: Perplexity) -> ModeResult:
     stats = GenerationStats(oracle.n_layer, early_exit=True)
     for record in lane.decode_records():
         stats.add(record)
     speedup = lane.timing.tok_s / vanilla.timing.tok_s if vanilla.timing.tok_s else 0.0
     headroom = oracle.speedup - 1
     return ModeResult(
-        kv_mode=lane.kv_mode, steps=lane.timing.steps, specee_tok_s=lane.timing.tok_s, speedup=speedup,
+        kv_mode=lane.kv_mode, quality=lane.engine.policy.quality, steps=lane.timing.steps,
+        specee_tok_s=lane.timing.tok_s, speedup=speedup,
         gain_captured=(speedup - 1) / headroom if headroom > 1e-9 else None,
-        agreement=agreement, exact_prefix=exact_prefix(vanilla.outputs, lane.outputs), ppl_specee=ppl_specee,
+        agreement=agreement, exact_prefix=exact_prefix(vanilla.outputs, lane.outputs),
+        ppl_specee=ppl.value, ppl_specee_raw=ppl.raw,
         avg_exit_layer=stats.avg_exit_layer, exit_rate=stats.exit_rate,
         predictor_calls_per_token=stats.predictor_calls_per_token, verify_fail_rate=stats.verify_fail_rate,
         draft_recall_at_k=stats.draft_recall_at_k, ms_per_token=time_split(stats, lane.timing.ms),

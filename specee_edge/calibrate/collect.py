@@ -1,8 +1,11 @@
-"""Stage 1: the model's own answers, and every layer's hidden states along them.
+"""Stage 1: the model's own answers, with every layer's hidden state captured as they are generated.
 
-Each prompt is answered greedily through the runtime (early exit off), then prompt + answer are
-decoded again as one batch with every layer's output captured: one shard per prompt, so an
-interrupted run picks up where it stopped.
+Each prompt is answered through the runtime one token at a time, exactly as the engine decodes
+(early exit off), and every decode records each layer's output: the hidden states are those of
+inference, not of a second batched pass whose rounding can swap near-ties. The full model's top-1
+at each step is read from the runtime's own logits. Round 0 answers every prompt greedily; later
+rounds answer them again with sampling (another seed per round), for more and more varied steps.
+One shard per answer, so an interrupted run picks up where it stopped.
 """
 
 from __future__ import annotations
@@ -15,58 +18,83 @@ import numpy as np
 
 from specee_edge.data.prompts import Prompt
 from specee_edge.engine import GREEDY, Engine, EngineConfig
-from specee_edge.runtime import Context
+from specee_edge.engine.sampling import SamplingParams, sample
+
+SAMPLED = SamplingParams(temperature=0.8)  # rounds after the first: llama.cpp's default sampler
 
 
 @dataclass
 class Shard:
-    """One prompt's answer. Positions are token indices; hidden covers positions start-1 .. len-2."""
+    """One answer. Positions are token indices; hidden covers positions start-1 .. len-2."""
 
-    tokens: np.ndarray  # int32 [n_tokens]: prompt then answer
-    start: int          # the last prompt position: the first whose next token is generated
-    hidden: np.ndarray  # float16 [n_tokens - start, n_layer, n_embd]
+    prompt: int            # index of the prompt in the prompt set (answers to one prompt share a split)
+    tokens: np.ndarray     # int32 [n_tokens]: prompt then answer
+    start: int             # the last prompt position: the first whose next token is generated
+    hidden: np.ndarray     # float16 [n_tokens - start, n_layer, n_embd]
+    final_top1: np.ndarray  # int32 [n_tokens - start - 1]: the runtime's argmax at positions start .. len-2
 
     def save(self, path: Path) -> None:
         tmp = path.with_name(path.stem + ".tmp.npz")
-        np.savez(tmp, tokens=self.tokens, start=self.start, hidden=self.hidden)
+        np.savez(tmp, prompt=self.prompt, tokens=self.tokens, start=self.start, hidden=self.hidden, final_top1=self.final_top1)
         tmp.replace(path)
 
     @classmethod
     def load(cls, path: Path) -> Shard:
         with np.load(path) as z:
-            return cls(z["tokens"], int(z["start"]), z["hidden"])
+            return cls(int(z["prompt"]), z["tokens"], int(z["start"]), z["hidden"], z["final_top1"])
+
+    @property
+    def steps(self) -> int:
+        return len(self.hidden) - 1
 
 
-def shard_path(workdir: Path, index: int) -> Path:
-    return workdir / "collect" / f"prompt_{index:04d}.npz"
+def shard_path(workdir: Path, round_: int, index: int) -> Path:
+    return workdir / "collect" / f"round{round_}_prompt{index:04d}.npz"
+
+
+def round_sampling(round_: int, index: int) -> SamplingParams:
+    if round_ == 0:
+        return GREEDY
+    return SamplingParams(**{**SAMPLED.__dict__, "seed": round_ * 100_003 + index})
 
 
 class Collector:
     def __init__(self, model_path: Path, *, n_threads: int, max_answer: int):
         self.max_answer = max_answer
         n_ctx = 2048
-        self.engine = Engine(model_path, pack=None, config=EngineConfig(n_ctx=n_ctx, n_threads=n_threads))
+        self.engine = Engine(model_path, pack=None, config=EngineConfig(n_ctx=n_ctx, n_batch=n_ctx, n_threads=n_threads))
         self.n_layer = self.engine.n_layer
-        # one ubatch per decode, so each layer's capture holds every position
-        self.capture = Context(self.engine.model, n_ctx=n_ctx, n_batch=n_ctx, n_threads=n_threads)
-        self.capture.enable_early_exit(1)
-        self.capture.set_capture_layers(list(range(self.n_layer)))
+        self.ctx = self.engine.ctx
+        self.ctx.enable_early_exit(1)  # no probe layers: the stock graph, plus the capture
+        self.ctx.set_capture_layers(list(range(self.n_layer)))
 
-    def answer(self, prompt: Prompt) -> Shard:
-        engine = self.engine
-        engine.reset()
+    def _captured(self) -> np.ndarray:
+        """[n_rows, n_layer, n_embd] of the last decode."""
+        return np.stack([self.ctx.captured(il) for il in range(self.n_layer)], axis=1).astype(np.float16)
+
+    def answer(self, index: int, prompt: Prompt, sampling: SamplingParams) -> Shard:
+        engine, ctx = self.engine, self.ctx
+        ctx.clear()
         text = engine.format_chat([{"role": "user", "content": prompt.text}])
-        prompt_tokens = engine.tokenize(text)
-        answer = engine.generate(prompt_tokens, max_tokens=self.max_answer, sampling=GREEDY)
-        tokens = prompt_tokens + answer.tokens
-        start = len(prompt_tokens) - 1
-        self.capture.clear()
-        self.capture.decode(tokens[:-1], output_all=True)  # the last token's hidden state predicts nothing we keep
-        hidden = np.stack([self.capture.captured(il)[start - 1 :] for il in range(self.n_layer)], axis=1)
-        return Shard(np.asarray(tokens, dtype=np.int32), start, hidden.astype(np.float16))
+        tokens = engine.tokenize(text)
+        start = len(tokens) - 1
+        rng = np.random.default_rng(sampling.seed)
+        ctx.decode(tokens, output_all=True)  # else the last layer keeps only the last row
+        hidden = [self._captured()[-2:]]  # positions start-1 and start
+        final_top1 = []
+        for n in range(self.max_answer):
+            logits = ctx.logits()
+            final_top1.append(int(np.argmax(logits)))
+            token = sample(logits, sampling, rng, tokens)
+            tokens.append(token)
+            if engine.model.is_eog(token) or n == self.max_answer - 1 or len(tokens) >= ctx.n_ctx:
+                break  # the last token's hidden state predicts nothing we keep
+            ctx.decode([token])
+            hidden.append(self._captured())
+        return Shard(index, np.asarray(tokens, dtype=np.int32), start, np.concatenate(hidden),
+                     np.asarray(final_top1[: len(tokens) - 1 - start], dtype=np.int32))
 
     def close(self) -> None:
-        self.capture.close()
         self.engine.close()
 
 

@@ -18,12 +18,13 @@ from specee_edge.runtime.weights import TargetWeights, lens_top1
 
 @dataclass
 class Dataset:
-    prompt: np.ndarray        # int32 [N]: which prompt (shard) the row belongs to
+    prompt: np.ndarray        # int32 [N]: which prompt the row answers (the splits are by prompt)
+    answer: np.ndarray        # int32 [N]: which answer (shard) the row belongs to
     token: np.ndarray         # int32 [N]: y_s
     hidden: np.ndarray        # float16 [N, n_layer, n_embd]: h_s
     prev_final: np.ndarray    # float16 [N, n_embd]: h_{s-1} at the last layer
     prev_exit: np.ndarray     # float16 [N, n_embd]: h_{s-1} at its oracle exit layer (the last for a prompt position)
-    top1: np.ndarray          # int32 [N, n_layer]: logit-lens top-1 of h_s at each layer
+    top1: np.ndarray          # int32 [N, n_layer]: logit-lens top-1 of h_s at each layer; the last is the runtime's
 
     @property
     def n_layer(self) -> int:
@@ -46,18 +47,20 @@ def build(shards: list[Shard], weights: TargetWeights, first_layer: int = 0,
           progress: Callable[[float], None] = lambda n: None) -> Dataset:
     """Rows from every shard. The lens runs on layers >= first_layer (the others get top-1 -1: they
     never exit), the costliest part of calibration; progress is called per position."""
-    parts: dict[str, list] = {k: [] for k in ("prompt", "token", "hidden", "prev_final", "prev_exit", "top1")}
+    parts: dict[str, list] = {k: [] for k in Dataset.__dataclass_fields__}
     n_layer = shards[0].hidden.shape[1]
     n_lens = n_layer - first_layer
     for index, shard in enumerate(shards):
         # shard.hidden row j is position start - 1 + j; rows 1.. are steps s = start .. len-2
         top1 = np.full(shard.hidden.shape[:2], -1, dtype=np.int32)
         top1[:, first_layer:] = lens_top1(shard.hidden[:, first_layer:], weights, lambda n: progress(n / n_lens))
+        top1[1:, -1] = shard.final_top1  # what inference emits, not the lens's float32 rounding of it
         oracle = np.argmax(top1 == top1[:, -1:], axis=1)
         oracle[0] = n_layer - 1  # the prompt position never exits
         n = len(shard.hidden) - 1
         positions = np.arange(shard.start, shard.start + n)
-        parts["prompt"].append(np.full(n, index, dtype=np.int32))
+        parts["prompt"].append(np.full(n, shard.prompt, dtype=np.int32))
+        parts["answer"].append(np.full(n, index, dtype=np.int32))
         parts["token"].append(shard.tokens[positions])
         parts["hidden"].append(shard.hidden[1:])
         parts["prev_final"].append(shard.hidden[:-1, -1])

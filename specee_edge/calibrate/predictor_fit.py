@@ -1,13 +1,11 @@
-"""Stage 4: per-layer exit predictors, their thresholds, the offline schedule, and a simulation.
+"""Stage 4: per-layer exit predictors, the offline schedule, and a simulation of the engine's decisions.
 
 Features are computed by predictor.features.probe_features, the code the engine runs, on the draft's
 candidates read through each layer's final-normed hidden state. The delta feature is taken against
 a randomly chosen earlier layer (or none), as the online schedule leaves gaps of varying size.
 
 Label of (step, layer): the layer's top-1 equals the final top-1 and is among the candidates.
-Thresholds are set per layer, in layer order, on a calibration split the MLPs never saw: the lowest
-threshold at which the exits this layer would add (after verification, among steps no earlier layer
-took) are correct at the requested quality, counting one extra error as a safety margin.
+Their thresholds are chosen per quality level, all layers together, in levels.py.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ from specee_edge.runtime.weights import TargetWeights
 
 GAPS = (0, 1, 2, 3, 4)  # 0: the first checked layer of a token (no previous probs)
 MIN_POSITIVES = 10
-THRESHOLDS = np.round(np.arange(0.05, 1.0, 0.01), 2)
 OFFLINE_COVERAGE = 0.8
 
 
@@ -97,28 +94,6 @@ def fit_mlp(x: np.ndarray, y: np.ndarray, *, hidden: int, seed: int) -> MLPPredi
     return MLPPredictor([np.asarray(w, np.float32) for w in weights], [np.asarray(b, np.float32) for b in biases])
 
 
-def set_thresholds(probes: Probes, predictors: dict[int, MLPPredictor], rows: np.ndarray, quality: float) -> dict[int, float]:
-    """Per layer, in order, among steps no earlier layer took (all predictor layers checked)."""
-    open_rows = np.ones(len(rows), dtype=bool)
-    prev_probs = None
-    thresholds = {}
-    for il in sorted(predictors):
-        features, probs = probe_features(probes.logits[rows, il], prev_probs)
-        prev_probs = probs
-        p = predictors[il](features)
-        verified, correct = probes.verified[rows, il] & open_rows, probes.correct[rows, il]
-        chosen = 1.0
-        for t in THRESHOLDS:
-            exits = verified & (p > t)
-            n = int(exits.sum())
-            if n and (correct[exits].sum()) / (n + 1) >= quality:
-                chosen = float(t)
-                break
-        thresholds[il] = chosen
-        open_rows &= ~(verified & (p > chosen))
-    return thresholds
-
-
 @dataclass
 class Simulation:
     """The engine's decisions replayed on held-out steps, with K/V exact."""
@@ -129,6 +104,7 @@ class Simulation:
     predictor_calls_per_token: float
     verify_fail_rate: float
     layer_hits: Counter = field(default_factory=Counter)
+    rejected: list[tuple[int, int]] = field(default_factory=list)  # (row, layer) of each failed verification
 
     def avg_exit_layer(self, n_layer: int) -> float:
         return float(np.mean([n_layer - 1 if e is None else e for e in self.exit_layers]))
@@ -140,12 +116,12 @@ class Simulation:
 
 def simulate(ds: Dataset, probes: Probes, predictors: dict[int, MLPPredictor], thresholds: dict[int, float],
              rows: np.ndarray, schedule: Schedule | None) -> Simulation:
-    """Replay steps prompt by prompt; schedule None checks every predictor layer."""
+    """Replay steps answer by answer; schedule None checks every predictor layer."""
     layers_all = sorted(il for il in predictors if thresholds[il] < 1.0)
-    exit_layers, correct, calls, positives, failures = [], 0, 0, 0, 0
-    for prompt in np.unique(ds.prompt[rows]):
+    exit_layers, correct, calls, positives, rejected = [], 0, 0, 0, []
+    for answer in np.unique(ds.answer[rows]):
         online = OnlineSchedule(schedule, set(layers_all)) if schedule else None
-        for row in rows[ds.prompt[rows] == prompt]:
+        for row in rows[ds.answer[rows] == answer]:
             prev_probs, exit_layer = None, None
             for il in online.layers() if online else layers_all:
                 features, prev_probs = probe_features(probes.logits[row, il], prev_probs)
@@ -155,14 +131,14 @@ def simulate(ds: Dataset, probes: Probes, predictors: dict[int, MLPPredictor], t
                     if probes.verified[row, il]:
                         exit_layer = il
                         break
-                    failures += 1
+                    rejected.append((int(row), il))
             if online:
                 online.record_exit(exit_layer)
             exit_layers.append(exit_layer)
             correct += exit_layer is None or bool(probes.correct[row, exit_layer])
     n = len(exit_layers)
-    return Simulation(n, exit_layers, correct / n, calls / n, failures / positives if positives else 0.0,
-                      Counter(e for e in exit_layers if e is not None))
+    return Simulation(n, exit_layers, correct / n, calls / n, len(rejected) / positives if positives else 0.0,
+                      Counter(e for e in exit_layers if e is not None), rejected)
 
 
 def offline_layers(sim: Simulation, n_layer: int) -> list[int]:

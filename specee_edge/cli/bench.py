@@ -39,21 +39,24 @@ class ManualProgress:
 
 @app.command()
 def bench(
-    model: Annotated[str | None, typer.Argument(help="model GGUF or registry name [default: the default model]")] = None,
-    pack: Annotated[str | None, typer.Option("--pack", help="pack [default: MODEL.specee.gguf beside the model, else the shipped one]")] = None,
+    model: Annotated[str | None, typer.Argument(help="model GGUF or registry name (default: the default model)")] = None,
+    pack: Annotated[str | None, typer.Option("--pack", help="pack (default: MODEL.specee.gguf beside the model, else the shipped one)")] = None,
     prompts: Annotated[str, typer.Option("--prompts", help="chat, code, math, summarize, all, or a .jsonl file")] = "all",
     num_prompts: Annotated[int, typer.Option("-p", "--num-prompts", help="prompts to run, in turns from each category (0: all)")] = 8,
     tokens: Annotated[int, typer.Option("-n", "--tokens", help="tokens generated per prompt")] = 96,
-    kv_mode: Annotated[str | None, typer.Option("--kv-mode", help="mask, fill, full, or all [default: the engine's]")] = None,
-    threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads [default: up to 8]")] = None,
-    threshold: Annotated[float | None, typer.Option("--threshold", help="one exit threshold for every layer [default: the pack's]")] = None,
+    kv_mode: Annotated[str | None, typer.Option("--kv-mode", help="mask, fill, full, or all (default: the engine's)")] = None,
+    threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: up to 8)")] = None,
+    quality: Annotated[str | None, typer.Option("--quality", show_default=False, help=(
+        "the pack's quality levels to run, each its own SpecEE lane: a level is the agreement with the full model "
+        "it guarantees; all, or a list such as 0.95,0.99 (default: the pack's default level)"))] = None,
+    threshold: Annotated[float | None, typer.Option("--threshold", help="one exit threshold for every layer (default: the level's)")] = None,
     ppl_tokens: Annotated[int, typer.Option("--ppl-tokens", help="held-out tokens for perplexity (0: all)")] = 0,
     python_policy: Annotated[bool, typer.Option("--python-policy", help="also run each KV mode with the Python exit policy (MODE/python)")] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="write the results as JSON here")] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="write the exit-layer histogram as a PNG here")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="write a PNG here: speedup against agreement and perplexity, the exit layers")] = None,
 ) -> None:
     """Decode the same prompts with vanilla llama.cpp and SpecEE, interleaved: speed, oracle bound, quality."""
-    from specee_edge.bench import BenchConfig, plot_histogram, run_bench
+    from specee_edge.bench import BenchConfig, plot_bench, run_bench
     from specee_edge.engine import AUTO, DEFAULT_KV_MODE
     from specee_edge.threads import default_threads
     from specee_edge.pull import resolve_model
@@ -66,7 +69,7 @@ def bench(
             raise SpecEEError(f"unknown KV mode {mode!r}: choose {', '.join(KV_MODES)} or all")
         config = BenchConfig(
             model=resolve_model(model), pack=pack or AUTO, prompt_set=prompts, num_prompts=num_prompts,
-            tokens=tokens, kv_modes=modes, threads=threads or default_threads(), threshold=threshold,
+            tokens=tokens, kv_modes=modes, threads=threads or default_threads(), quality=quality, threshold=threshold,
             ppl_tokens=ppl_tokens, python_policy=python_policy, command=" ".join(["specee-edge", *sys.argv[1:]]),
         )
         columns = (TextColumn("{task.description:>9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -82,5 +85,5 @@ def bench(
         result.write_json(json_path)
         console.print(f"wrote {json_path}")
     if plot:
-        plot_histogram(result, plot)
+        plot_bench(result, plot)
         console.print(f"wrote {plot}")

@@ -16,17 +16,19 @@ from specee_edge.errors import SpecEEError
 def calibrate(
     model: Annotated[str, typer.Argument(help="model GGUF (or a registry name from `specee-edge pull --list`)")],
     output: Annotated[Path | None, typer.Option("-o", "--output", help="pack to write [default: MODEL.specee.gguf beside the model]")] = None,
-    tokens: Annotated[int, typer.Option("--tokens", help="answer tokens to collect")] = 16000,
+    tokens: Annotated[int, typer.Option("--tokens", help="answer tokens to collect")] = 65000,
     prompts: Annotated[Path | None, typer.Option("--prompts", help="JSONL prompts ({\"prompt\": ...}) instead of the built-in set")] = None,
     k: Annotated[int, typer.Option("--k", help="draft candidates per token")] = 4,
     threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads")] = None,
     seed: Annotated[int, typer.Option("-s", "--seed", help="seed of the splits and the MLPs")] = 0,
-    quality: Annotated[float, typer.Option("--quality", help="precision every layer's exits must reach on held-out answers")] = 0.99,
+    levels: Annotated[str, typer.Option("--levels", help="quality levels: agreements with the full model, comma-separated")] = "0.9,0.95,0.98,0.99,0.995",
+    quality: Annotated[float, typer.Option("--quality", help="the pack's default level (one of --levels)")] = 0.98,
+    replay_tokens: Annotated[int, typer.Option("--replay-tokens", help="held-out steps the engine replays to check each level")] = 2000,
     draft_vocab: Annotated[int, typer.Option("--draft-vocab", help="tokens the draft head scores")] = 4096,
     max_answer: Annotated[int, typer.Option("--max-answer", help="tokens per answer")] = 256,
     work_dir: Annotated[Path | None, typer.Option("--work-dir", help="keeps each stage's results, so a rerun resumes")] = None,
 ) -> None:
-    """Calibrate a pack for MODEL: its own answers, a draft head, per-layer predictors and a schedule."""
+    """Calibrate a pack for MODEL: its own answers, a draft head, per-layer predictors, and thresholds per quality level."""
     from specee_edge.calibrate import CalibrateConfig
     from specee_edge.calibrate import calibrate as run_calibration
     from specee_edge.engine.exit import PACK_SUFFIX
@@ -35,13 +37,19 @@ def calibrate(
 
     try:
         model_path = resolve_model(model)
-        if not 1 <= k <= 8 or not 0.5 < quality < 1.0 or tokens < 1 or draft_vocab < k:
-            raise SpecEEError("need 1 <= --k <= 8, 0.5 < --quality < 1, --tokens >= 1 and --draft-vocab >= --k")
+        try:
+            level_list = tuple(sorted({float(q) for q in levels.split(",")}))
+        except ValueError:
+            raise SpecEEError(f"--levels takes comma-separated numbers, got {levels!r}") from None
+        if not all(0.5 < q < 1.0 for q in level_list) or quality not in level_list:
+            raise SpecEEError("every --levels value must be in (0.5, 1), and --quality one of them")
+        if not 1 <= k <= 8 or tokens < 1 or draft_vocab < k or replay_tokens < 1:
+            raise SpecEEError("need 1 <= --k <= 8, --tokens >= 1, --replay-tokens >= 1 and --draft-vocab >= --k")
         output = output or model_path.with_name(model_path.name.removesuffix(".gguf") + PACK_SUFFIX)
         config = CalibrateConfig(
             model=model_path, output=output, workdir=work_dir, tokens=tokens, prompts=prompts, k=k,
             threads=threads or default_threads(), seed=seed, max_answer=max_answer, draft_vocab=draft_vocab,
-            quality=quality, command=" ".join(["specee-edge", *sys.argv[1:]]),
+            levels=level_list, quality=quality, replay_tokens=replay_tokens, command=" ".join(["specee-edge", *sys.argv[1:]]),
         )
         report = run_calibration(config, err_console)
     except SpecEEError as e:

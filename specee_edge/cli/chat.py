@@ -38,8 +38,11 @@ SystemPrompt = Annotated[str | None, typer.Option("-sys", "--system-prompt", sho
 ChatTemplate = Annotated[str | None, typer.Option("--chat-template", show_default=False,
                                                   help="chatml, llama3, mistral, a Jinja file or a template (default: the model's)")]
 NoEarlyExit = Annotated[bool, typer.Option("--no-early-exit", help="decode every layer (the pack stays loaded)")]
+Quality = Annotated[str | None, typer.Option("--quality", show_default=False, help=(
+    "the pack's quality level: the agreement with the full model it guarantees, such as 0.95 "
+    "(default: the pack's default level)"))]
 Threshold = Annotated[float | None, typer.Option("--threshold", show_default=False,
-                                                 help="exit threshold for every layer (default: the pack's per-layer ones)")]
+                                                 help="exit threshold for every layer (default: the quality level's per-layer ones)")]
 ColorExits = Annotated[bool, typer.Option("--color-exits", help="colour each token by the layer it left at")]
 Verbose = Annotated[bool, typer.Option("--verbose", help="the detailed stats after each reply")]
 
@@ -51,7 +54,7 @@ class KvMode(str, Enum):
 
 
 KvModeOpt = Annotated[KvMode | None, typer.Option("--kv-mode", show_default=False,
-                      help="K/V of the layers an exited token skipped [default: fill, or mask where fill is unsupported]")]
+                      help="K/V of the layers an exited token skipped (default: fill, or mask where fill is unsupported)")]
 
 
 @dataclass
@@ -64,6 +67,7 @@ class EngineOptions:
     n_gpu_layers: str
     threads: int | None
     kv_mode: str | None
+    quality: str | None
     threshold: float | None
     early_exit: bool
 
@@ -71,10 +75,13 @@ class EngineOptions:
 def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str, str | None]:
     """Resolve the model and load it with its pack.
 
-    A pack the engine cannot use: with strict_pack an error, else a notice and early exit off.
+    A pack the engine cannot use: with strict_pack an error, else a notice and early exit off. A quality
+    level the pack lacks is always an error: the user asked for it.
     Returns (engine, model label, notice): notice is the one line to print, or None.
     """
+    from specee_edge.cli.repl import parse_quality
     from specee_edge.engine import AUTO, Engine, EngineConfig
+    from specee_edge.pack import PackLevelError
     from specee_edge.threads import default_threads
     from specee_edge.pull import resolve_model
 
@@ -84,13 +91,13 @@ def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str,
         raise SpecEEError(f"--threshold is a probability: 0..1, got {opts.threshold:g}")
     config = EngineConfig(n_ctx=opts.n_ctx, n_threads=opts.threads or default_threads(),
                           n_gpu_layers=parse_gpu_layers(opts.n_gpu_layers), kv_mode=opts.kv_mode,
-                          threshold=opts.threshold, early_exit=opts.early_exit)
+                          quality=parse_quality(opts.quality), threshold=opts.threshold, early_exit=opts.early_exit)
     pack = opts.pack if opts.pack is not None else AUTO
     notice = None
     try:
         engine = Engine(model_path, pack=pack, config=config)
     except SpecEEError as e:
-        if strict_pack or isinstance(e, ModelLoadError):
+        if strict_pack or isinstance(e, (ModelLoadError, PackLevelError)):
             raise
         engine = Engine(model_path, pack=None, config=config)  # fails again if the model, not the pack, is the problem
         notice = f"{e}; early exit off"
@@ -168,6 +175,7 @@ def chat(
     chat_template: ChatTemplate = None,
     no_early_exit: NoEarlyExit = False,
     kv_mode: KvModeOpt = None,
+    quality: Quality = None,
     threshold: Threshold = None,
     color_exits: ColorExits = False,
     verbose: Verbose = False,
@@ -179,7 +187,7 @@ def chat(
 
     try:
         opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
-                             threshold, not no_early_exit)
+                             quality, threshold, not no_early_exit)
         settings = ReplSettings(sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed), n_predict,
                                 system_prompt, chat_template_text(chat_template), verbose, color_exits)
         engine, label, notice = load_engine(opts, strict_pack=False)
@@ -195,9 +203,12 @@ def chat(
 
 
 def _banner(engine: Engine, notice: str | None) -> None:
+    from specee_edge.cli.render import exit_setting
+
     info = engine.model.info
     pack = f", pack {engine.policy.pack_path.name}" if engine.policy else ""
-    state = f"early exit {'on' if engine.early_exit else 'off'}"
+    setting = exit_setting(engine)
+    state = f"early exit {'on' if engine.early_exit else 'off'}{f', {setting}' if setting else ''}"
     line = {"highlight": False, "markup": False, "soft_wrap": True}
     console.print(f"specee-edge chat · {info.path.name} ({info.arch}, {info.n_layer} layers{pack}) · {state}", **line)
     if notice:
@@ -228,17 +239,18 @@ def generate(
     chat_template: ChatTemplate = None,
     no_early_exit: NoEarlyExit = False,
     kv_mode: KvModeOpt = None,
+    quality: Quality = None,
     threshold: Threshold = None,
     color_exits: ColorExits = False,
     verbose: Verbose = False,
 ) -> None:
     """One reply: the text to stdout (pipe-friendly), the stats to stderr; --json for one JSON object."""
-    from specee_edge.cli.render import TokenPrinter, footer, stats_table
+    from specee_edge.cli.render import TokenPrinter, exit_setting, footer, stats_table
 
     try:
         text = _prompt_text(prompt, file)
         opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
-                             threshold, not no_early_exit)
+                             quality, threshold, not no_early_exit)
         sampling = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
         template = chat_template_text(chat_template)
         engine, _, notice = load_engine(opts, strict_pack=True)
@@ -283,7 +295,7 @@ def generate(
         if reply and not reply.endswith("\n"):
             sys.stdout.write("\n")
         sys.stdout.flush()
-        err_console.print(footer(stats), style="dim", highlight=False, markup=False, soft_wrap=True)
+        err_console.print(footer(stats, exit_setting(engine)), style="dim", highlight=False, markup=False, soft_wrap=True)
         if verbose:
             err_console.print(stats_table(stats))
     if interrupted:

@@ -9,7 +9,7 @@ from rich.console import Group
 from rich.table import Table
 
 from specee_edge.gguf_index import GGUFIndex
-from specee_edge.pack.format import PACK_ARCH
+from specee_edge.pack.format import PACK_ARCH, Pack
 from specee_edge.pack.io import read_pack
 from specee_edge.pack.target import target_identity
 
@@ -60,7 +60,7 @@ def _model_summary(path: Path, reader: GGUFIndex) -> Group:
     ]))
 
 
-def _draft_text(pack) -> str:
+def _draft_text(pack: Pack) -> str:
     if pack.draft is None:
         return "none"
     text = f"{pack.draft.kind}, {len(pack.draft.tensors)} tensors"
@@ -72,20 +72,45 @@ def _draft_text(pack) -> str:
 def _pack_summary(path: Path) -> Group:
     pack = read_pack(path)
     t = pack.target
+    # a pack with quality levels takes its thresholds and offline layers from them
+    schedule = [
+        ("quality levels", f"{', '.join(f'{lv.quality:g}' for lv in pack.levels)} (default {pack.level().quality:g})"),
+    ] if pack.levels else [
+        ("exit threshold", f"{pack.threshold:g}"),
+        ("offline layers", ", ".join(map(str, pack.schedule.offline))),
+    ]
     head = _kv_table(f"pack {path.name}", [
         ("target", t.describe()),
         ("candidates (k)", str(pack.k)),
-        ("exit threshold", f"{pack.threshold:g}"),
-        ("offline layers", ", ".join(map(str, pack.schedule.offline))),
+        *schedule,
         ("online window", f"last {pack.schedule.window} exits, offsets {pack.schedule.offsets}"),
         ("draft head", _draft_text(pack)),
         ("file size", _size(path.stat().st_size)),
     ])
     predictors = Table(title="predictors", title_justify="left")
-    for column in ("layer", "shape", "parameters"):
+    for column in ("layer", "shape", "parameters", "temperature"):
         predictors.add_column(column, justify="right")
     for layer, p in sorted(pack.predictors.items()):
         n = sum(w.size + b.size for w, b in zip(p.weights, p.biases))
-        predictors.add_row(str(layer), " -> ".join(map(str, p.shape)), f"{n:,}")
+        predictors.add_row(str(layer), " -> ".join(map(str, p.shape)), f"{n:,}", f"{pack.temperatures.get(layer, 1.0):.3g}")
     provenance = _kv_table("provenance", [(k, str(v)) for k, v in sorted(pack.provenance.items())])
-    return Group(head, predictors, provenance)
+    return Group(head, *([_levels_table(pack)] if pack.levels else []), predictors, provenance)
+
+
+def _levels_table(pack: Pack) -> Table:
+    """The quality levels: what each switches on, and what calibration measured for it on held-out answers."""
+    default = pack.level().quality
+    table = Table(title="quality levels (--quality; * the default; expected, from held-out calibration answers)",
+                  title_justify="left")
+    table.add_column("quality", justify="right", no_wrap=True, vertical="bottom")
+    table.add_column("thresholds\n(layer: t < 1)", overflow="fold", vertical="bottom")
+    table.add_column("offline\nlayers", overflow="fold", vertical="bottom")
+    # headers broken between words, so that the table fits 80 columns
+    for column in ("exit\nrate", "agreement", "layer\nspeedup", "verify\nfail rate"):
+        table.add_column(column, justify="right", vertical="bottom")
+    for level in pack.levels:
+        active = ", ".join(f"{il}: {t:.3g}" for il, t in sorted(level.thresholds.items()) if t < 1.0)
+        table.add_row(f"{level.quality:g}{' *' if level.quality == default else ''}", active or "none (no exits)",
+                      ", ".join(map(str, level.offline)) or "none", f"{level.exit_rate:.3f}", f"{level.agreement:.4f}",
+                      f"{level.layer_speedup:.3f}x", f"{level.verify_fail_rate:.3f}")
+    return table

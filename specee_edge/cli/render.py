@@ -10,16 +10,31 @@ from rich.table import Table
 from rich.text import Text
 
 from specee_edge.engine import Engine, GenerationStats, SamplingParams, TokenRecord
+from specee_edge.engine.exit import ExitPolicy
 
 # Exit-depth colours, shallow to deep: (share of the last layer index reached, style).
 DEPTH_STYLES: tuple[tuple[float, str], ...] = ((0.5, "bold green"), (0.67, "cyan"), (0.83, "yellow"), (1.0, "magenta"))
 
 
-def footer(stats: GenerationStats) -> str:
-    """One line after each reply: prompt t/s, generation t/s, avg exit layer, exit %."""
+def exit_setting(engine: Engine) -> str | None:
+    """The quality level in use and a threshold overriding its thresholds (`quality 0.99, threshold 0.5`);
+    None without a pack."""
+    policy = engine.policy
+    if policy is None:
+        return None
+    parts = [f"quality {policy.quality:g}"] if policy.quality is not None else []
+    if policy.threshold is not None:
+        parts.append(f"threshold {policy.threshold:g}")
+    return ", ".join(parts) or None
+
+
+def footer(stats: GenerationStats, setting: str | None = None) -> str:
+    """One line after each reply: prompt t/s, generation t/s, avg exit layer, exit %, and the exit setting."""
     parts = [f"prompt {stats.prompt_tok_s:.1f} t/s", f"generation {stats.decode_tok_s:.1f} t/s"]
     if stats.early_exit:
         parts += [f"avg exit layer {stats.avg_exit_layer:.1f}/{stats.n_layer - 1}", f"exit {stats.exit_rate:.0%}"]
+        if setting:
+            parts.append(setting)
     else:
         parts.append("early exit off")
     return "[ " + " | ".join(parts) + " ]"
@@ -108,8 +123,9 @@ def engine_info(engine: Engine, sampling: SamplingParams, max_tokens: int, syste
         rows += [
             ("pack", str(policy.pack_path)),
             ("candidates (k)", str(pack.k)),
+            ("quality", _quality_text(policy)),
             ("predictor layers", ", ".join(map(str, sorted(pack.predictors))) or "none"),
-            ("offline schedule", ", ".join(map(str, pack.schedule.offline)) or "none"),
+            ("offline schedule", ", ".join(map(str, sorted(policy.schedule.offline))) or "none"),
             ("online schedule", f"offsets {pack.schedule.offsets} around each of the last {pack.schedule.window} exits"),
             ("thresholds", _thresholds_text(sorted(set(policy.thresholds.values())))),
         ]
@@ -127,6 +143,14 @@ def engine_info(engine: Engine, sampling: SamplingParams, max_tokens: int, syste
         ("system prompt", system if system is not None else "(the chat template's default)"),
     ]
     return Group(_kv_table("info", rows))
+
+
+def _quality_text(policy: ExitPolicy) -> str:
+    levels = policy.pack.levels
+    if policy.quality is None:
+        return "none (the pack has no quality levels)"
+    default = " (the pack's default)" if policy.quality == policy.pack.level().quality else ""
+    return f"{policy.quality:g}{default}; the pack offers {', '.join(f'{lv.quality:g}' for lv in levels)}"
 
 
 def _thresholds_text(thresholds: list[float]) -> str:

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from specee_edge.cli.render import TokenPrinter, depth_legend, engine_info, footer, stats_table
+from specee_edge.cli.render import TokenPrinter, depth_legend, engine_info, exit_setting, footer, stats_table
 from specee_edge.engine import Engine, GenerationStats, SamplingParams
 from specee_edge.errors import ContextFullError, SpecEEError
 
@@ -38,7 +38,8 @@ HELP: tuple[tuple[str, str], ...] = (
     ("/set temp|top_k|top_p|min_p N", "sampling"),
     ("/set repeat_penalty|seed|n_predict N", "seed -1: random; n_predict -1: until the context is full"),
     ("/set system TEXT", "the system prompt (no TEXT: the template's default)"),
-    ("/set threshold N", "exit threshold of every predictor layer (0..1)"),
+    ("/set quality Q|default", "the pack's quality level: agreement with the full model, such as 0.95"),
+    ("/set threshold N", "exit threshold of every predictor layer (0..1), instead of the level's"),
     ("/set verbose on|off", "the /stats table after every reply"),
     ("/early-exit on|off", "speculative early exit (needs a pack)"),
     ("/stats", "detail of the last reply"),
@@ -74,6 +75,19 @@ def parse_switch(value: str) -> bool:
     if lowered in ("off", "false", "0", "no"):
         return False
     raise SpecEEError(f"expected on or off, got {value!r}")
+
+
+def parse_quality(value: str | None) -> float | None:
+    """--quality and /set quality: an agreement with the full model in (0, 1]; None or `default`: the pack's default."""
+    if value is None or value.strip().lower() == "default":
+        return None
+    try:
+        quality = float(value)
+    except ValueError:
+        raise SpecEEError(f"a quality is an agreement with the full model such as 0.95 (or default), got {value!r}") from None
+    if not 0.0 < quality <= 1.0:
+        raise SpecEEError(f"a quality is an agreement with the full model, in (0, 1]: got {quality:g}")
+    return quality
 
 
 class Repl:
@@ -215,7 +229,7 @@ class Repl:
             self.console.print("[interrupted]", style="dim", markup=False, highlight=False)
         elif stats.finish_reason == "context":
             self.error("the context is full: /clear to start over (or a larger -c/--ctx-size)")
-        self.console.print(footer(stats), style="dim", highlight=False, soft_wrap=True)
+        self.console.print(footer(stats, exit_setting(self.engine)), style="dim", highlight=False, soft_wrap=True)
         if self.settings.verbose:
             self.console.print(stats_table(stats))
 
@@ -272,7 +286,13 @@ class Repl:
             self.console.print(f"system prompt {'set' if value else 'reset to the template default'}", style="dim")
             return
         if not value:
-            raise SpecEEError("usage: /set temp|top_k|top_p|min_p|repeat_penalty|seed|n_predict|system|threshold|verbose VALUE")
+            raise SpecEEError("usage: /set temp|top_k|top_p|min_p|repeat_penalty|seed|n_predict|system|quality|threshold|verbose VALUE")
+        if key == "quality":
+            self.engine.set_quality(parse_quality(value))
+            quality = self.engine.policy.quality  # the level in use: the lowest at or above the value
+            self.console.print(f"quality = {quality:g}" if quality is not None else "the pack has no quality levels: "
+                               "its own thresholds again", style="dim", highlight=False)
+            return
         if key == "verbose":
             self.settings.verbose = parse_switch(value)
         elif key == "threshold":

@@ -44,7 +44,8 @@ class EngineConfig:
     n_threads: int = field(default_factory=default_threads)
     n_gpu_layers: int = 0
     kv_mode: str | None = None  # None: DEFAULT_KV_MODE where the model allows it, else FALLBACK_KV_MODE
-    threshold: float | None = None  # None: the pack's per-layer thresholds; above 1 never exits
+    quality: float | None = None    # the pack's quality level (agreement with the full model); None: its default
+    threshold: float | None = None  # one threshold for every layer instead of the level's; above 1 never exits
     early_exit: bool = True
     native: bool = True  # False: the Python exit policy, called per probe (research; slower)
     profile: bool = False  # time the in-graph draft (one extra scheduler split per token)
@@ -65,8 +66,9 @@ class Engine:
         self.model = Model(model_path, n_gpu_layers=self.config.n_gpu_layers)
         self.n_layer = self.model.info.n_layer
         self.pack_path = find_pack(model_path) if pack == AUTO else (Path(pack) if pack is not None else None)
-        self.policy = (ExitPolicy.load(self.pack_path, model_path, threshold=self.config.threshold,
-                                       native=self.config.native) if self.pack_path else None)
+        self.policy = (ExitPolicy.load(self.pack_path, model_path, quality=self.config.quality,
+                                       threshold=self.config.threshold, native=self.config.native)
+                       if self.pack_path else None)
         self.ctx = Context(self.model, n_ctx=self.config.n_ctx, n_batch=self.config.n_batch,
                            n_threads=self.config.n_threads)
         self.kv_mode: str | None = None
@@ -78,6 +80,7 @@ class Engine:
         if self.policy:
             self.policy.set_active(self.early_exit)
         self._kv_tokens: list[int] = []  # the tokens whose K/V are in the cache, in order
+        self._exit_layer: int | None = None  # of the last decoded token
         self.stats = GenerationStats(self.n_layer, self.early_exit)
 
     def _enable_early_exit(self, kv_mode: str | None) -> str:
@@ -95,13 +98,15 @@ class Engine:
     def _forward(self, token: int) -> TokenRecord:
         """Decode one token; its record (id filled in later) and the logits stay in self.ctx."""
         t0 = time.perf_counter()
-        if not self.early_exit:
+        self._exit_layer = None
+        if not self.early_exit or self.policy.idle:
             self.ctx.decode([token])
             return TokenRecord(-1, "", None, 0, 0, None, forward_ms=(time.perf_counter() - t0) * 1e3)
         self.policy.begin_token()          # the layers the schedule checks
         self.ctx.decode([token])           # draft -> layers -> probe -> predictor -> verify -> KV, in llama_decode
         t1 = time.perf_counter()
         step = self.policy.end_token()     # exit layer, candidates; the online schedule learns it
+        self._exit_layer = step.exit_layer
         return TokenRecord(-1, "", step.exit_layer, step.probes, step.verify_failures, None,
                            draft_ms=step.draft_ms, forward_ms=(t1 - t0) * 1e3,
                            predictor_ms=step.predictor_ms, verify_ms=step.verify_ms)
@@ -128,6 +133,15 @@ class Engine:
             self.policy.begin_prompt(probes=len(batch) > 1)
         self.ctx.decode(batch)
         self._kv_tokens.extend(batch)
+        self._exit_layer = None
+
+    def logits(self) -> np.ndarray:
+        """The last token's next-token logits; an early exit's are divided by its layer's calibrated
+        temperature, so that their softmax matches the full model's (greedy decoding is unaffected)."""
+        logits = self.ctx.logits()
+        if self._exit_layer is None or not self.policy:
+            return logits
+        return logits / np.float32(self.policy.temperature(self._exit_layer))
 
     # --- generation ------------------------------------------------------------------------
 
@@ -169,7 +183,7 @@ class Engine:
             record = TokenRecord(-1, "", None, 0, 0, None)
             for n in range(max_tokens):
                 t_sample = time.perf_counter()
-                token = sample(self.ctx.logits(), sampling, rng, history)
+                token = sample(self.logits(), sampling, rng, history)
                 record.id = token
                 record.sample_ms = (time.perf_counter() - t_sample) * 1e3
                 if self.early_exit and n > 0:
@@ -243,6 +257,12 @@ class Engine:
         self.early_exit = on
         if self.policy:
             self.policy.set_active(on)
+
+    def set_quality(self, quality: float | None) -> None:
+        """Use the pack's level for `quality` (None: its default), dropping a threshold override."""
+        if self.policy is None:
+            raise SpecEEError("no pack is loaded: quality levels come from one (specee-edge calibrate MODEL.gguf)")
+        self.policy.set_quality(quality)
 
     def reset(self) -> None:
         """Forget the conversation: clear the KV cache."""

@@ -21,7 +21,7 @@ import numpy as np
 
 from specee_edge.draft import LinearDraft
 from specee_edge.errors import SpecEEError
-from specee_edge.pack import Pack, check_target, read_pack, target_identity
+from specee_edge.pack import Pack, QualityLevel, check_target, read_pack, target_identity
 from specee_edge.predictor import MLPPredictor
 from specee_edge.predictor.features import probe_features
 from specee_edge.predictor.schedule import OnlineSchedule
@@ -49,23 +49,60 @@ class ExitPolicy:
     pack_path: Path
     draft: LinearDraft
     predictors: dict[int, MLPPredictor]
-    thresholds: dict[int, float]
-    schedule: OnlineSchedule
+    level: QualityLevel | None  # the quality level in use (None: a pack without levels)
+    threshold: float | None     # one threshold for every layer, overriding the level's
     native: bool = True
     candidates: tuple[int, ...] = field(default=(), init=False)  # the last step's, for the next token
+    ctx: Context | None = field(default=None, init=False)
 
     @classmethod
-    def load(cls, pack_path: Path, model_path: Path, *, threshold: float | None = None,
+    def load(cls, pack_path: Path, model_path: Path, *, quality: float | None = None, threshold: float | None = None,
              native: bool = True) -> ExitPolicy:
         pack = read_pack(pack_path)
         weights = TargetWeights(model_path)
         check_target(pack.target, target_identity(model_path, weights.reader), pack_path, model_path)
         if pack.draft is None:
             raise SpecEEError(f"{pack_path.name} has no draft head: the engine needs one to propose candidates")
-        thresholds = {il: threshold if threshold is not None else pack.thresholds.get(il, pack.threshold)
-                      for il in pack.predictors}
-        return cls(pack, pack_path, LinearDraft(pack.draft, weights, pack.k), pack.predictors,
-                   thresholds, OnlineSchedule(pack.schedule, set(pack.predictors)), native)
+        policy = cls(pack, pack_path, LinearDraft(pack.draft, weights, pack.k), pack.predictors,
+                     pack.level(quality), threshold, native)
+        policy._configure()
+        return policy
+
+    def _configure(self) -> None:
+        """Thresholds and schedule from the level (or the overriding threshold); the context follows."""
+        level = self.level
+        if self.threshold is not None:
+            self.thresholds = {il: self.threshold for il in self.predictors}
+        elif level is not None:
+            self.thresholds = dict(level.thresholds)
+        else:
+            self.thresholds = {il: self.pack.threshold for il in self.predictors}
+        if level is not None and self.threshold is None:
+            offline = level.offline
+        else:  # one threshold everywhere: every layer any level checks from the start
+            offline = sorted({il for lv in self.pack.levels for il in lv.offline} | set(self.pack.schedule.offline))
+        schedule = dataclasses.replace(self.pack.schedule, offline=offline)
+        # a level turns a layer off with threshold 1: the schedule never checks it. An explicit threshold
+        # keeps every layer checked (above 1 that measures the machinery with exits impossible).
+        checked = set(self.predictors) if self.threshold is not None else {il for il, t in self.thresholds.items() if t < 1.0}
+        self.schedule = OnlineSchedule(schedule, checked)
+        self._probe_layers = None
+        if self.ctx is not None and self.native:
+            for layer, threshold in self.thresholds.items():
+                self.ctx.set_threshold(layer, threshold)
+
+    @property
+    def idle(self) -> bool:
+        """No layer can ever be checked (a level that turns every layer off): tokens decode plainly."""
+        return not self.schedule.predictor_layers
+
+    @property
+    def quality(self) -> float | None:
+        return self.level.quality if self.level is not None else None
+
+    def temperature(self, layer: int | None) -> float:
+        """The exit logits of `layer` are divided by it (1 for the last layer and uncalibrated packs)."""
+        return self.pack.temperatures.get(layer, 1.0) if layer is not None else 1.0
 
     @property
     def k(self) -> int:
@@ -89,11 +126,20 @@ class ExitPolicy:
         self._probe_layers = []
 
     def set_threshold(self, threshold: float | None) -> None:
-        """One threshold for every layer; None: the pack's own per-layer ones."""
-        for layer in self.thresholds:
-            self.thresholds[layer] = threshold if threshold is not None else self.pack.thresholds.get(layer, self.pack.threshold)
-            if self.native:
-                self.ctx.set_threshold(layer, self.thresholds[layer])
+        """One threshold for every layer; None: the quality level's own per-layer ones."""
+        self.threshold = threshold
+        self._configure()
+
+    def set_quality(self, quality: float | None) -> None:
+        """Another quality level (None: the pack's default); drops a --threshold override."""
+        self.set_level(self.pack.level(quality))
+
+    def set_level(self, level: QualityLevel | None) -> None:
+        """Thresholds and offline schedule from `level`, which need not be one of the pack's (calibration
+        tries candidates this way); drops a --threshold override."""
+        self.level = level
+        self.threshold = None
+        self._configure()
 
     # --- per token ---------------------------------------------------------------------------
 

@@ -9,10 +9,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specee_edge.errors import SpecEEError
 from specee_edge.pack.mlp import MLPPredictor
 
+
+class PackLevelError(SpecEEError):
+    """A quality level the pack does not offer."""
+
 PACK_ARCH = "specee-pack"  # general.architecture of every pack
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: quality levels and temperatures; version 1 packs must be recalibrated
 FEATURES = ("logits", "probs", "delta")  # per candidate, in this order: 3k features
 
 KEY_VERSION = "specee.version"
@@ -25,7 +30,10 @@ KEY_K = "specee.k"
 KEY_THRESHOLD = "specee.threshold"
 KEY_FEATURES = "specee.features"
 KEY_PREDICTOR_LAYERS = "specee.predictor.layers"
-KEY_THRESHOLDS = "specee.predictor.thresholds"  # optional, per predictor layer; overrides specee.threshold
+KEY_TEMPERATURES = "specee.predictor.temperatures"  # optional, per predictor layer: exit logits are divided by it
+KEY_LEVELS = "specee.quality.levels"  # optional, ascending agreement targets; each has the keys of level_key()
+KEY_DEFAULT_QUALITY = "specee.quality.default"  # one of the levels
+LEVEL_FIELDS = ("thresholds", "offline", "exit_rate", "agreement", "layer_speedup", "verify_fail_rate")
 KEY_OFFLINE_LAYERS = "specee.schedule.offline"
 KEY_WINDOW = "specee.schedule.window"
 KEY_OFFSETS = "specee.schedule.offsets"
@@ -36,6 +44,11 @@ KEY_PROVENANCE = "specee.provenance"  # JSON object
 def predictor_tensor(layer: int, j: int, part: str) -> str:
     """`pred.<layer>.fc<j>.weight|bias`: the j-th linear layer of that layer's predictor."""
     return f"pred.{layer}.fc{j}.{part}"
+
+
+def level_key(index: int, name: str) -> str:
+    """`specee.quality.<index>.<name>`: one field of the index-th level (names in LEVEL_FIELDS)."""
+    return f"specee.quality.{index}.{name}"
 
 
 DRAFT_PREFIX = "draft."
@@ -75,6 +88,21 @@ class Schedule:
 
 
 @dataclass
+class QualityLevel:
+    """One setting of the quality dial: every predictor layer's threshold and the offline schedule,
+    chosen together so that the expected agreement with the full model over a reply is `quality`.
+    The expectations were measured on held-out calibration answers."""
+
+    quality: float                 # the agreement asked for
+    thresholds: dict[int, float]   # per predictor layer; 1.0: the layer never fires at this level
+    offline: list[int]             # the offline schedule at this level
+    exit_rate: float = 0.0         # expected, held out
+    agreement: float = 1.0
+    layer_speedup: float = 1.0     # n_layer / layers run, overheads excluded
+    verify_fail_rate: float = 0.0  # of positive predictions
+
+
+@dataclass
 class DraftHead:
     """Draft-head weights by name (without the `draft.` prefix), dequantized to float32."""
 
@@ -93,4 +121,21 @@ class Pack:
     predictors: dict[int, MLPPredictor]
     draft: DraftHead | None = None
     provenance: dict = field(default_factory=dict)
-    thresholds: dict[int, float] = field(default_factory=dict)  # per layer, calibrated; else `threshold`
+    levels: list[QualityLevel] = field(default_factory=list)  # ascending quality; none: `threshold` and `schedule`
+    default_quality: float | None = None                    # one of the levels' qualities
+    temperatures: dict[int, float] = field(default_factory=dict)  # per predictor layer; missing: 1
+
+    def level(self, quality: float | None = None) -> QualityLevel | None:
+        """The level for `quality`: the lowest level at or above it (never less quality than asked);
+        None: the default level. A pack without levels has none."""
+        if not self.levels:
+            if quality is not None:
+                raise PackLevelError("this pack has no quality levels (it was converted, not calibrated): use --threshold")
+            return None
+        if quality is None:
+            quality = self.default_quality if self.default_quality is not None else self.levels[-1].quality
+        for level in self.levels:
+            if level.quality >= quality - 1e-9:
+                return level
+        offered = ", ".join(f"{lv.quality:g}" for lv in self.levels)
+        raise PackLevelError(f"no quality level at or above {quality:g} in this pack (it offers {offered})")

@@ -29,14 +29,19 @@ from specee_edge.pack.format import (
     KEY_TARGET_N_LAYER,
     KEY_TARGET_N_VOCAB,
     KEY_THRESHOLD,
-    KEY_THRESHOLDS,
+    KEY_DEFAULT_QUALITY,
+    KEY_LEVELS,
+    KEY_TEMPERATURES,
     KEY_VERSION,
     KEY_WINDOW,
+    LEVEL_FIELDS,
     PACK_ARCH,
     DraftHead,
     Pack,
+    QualityLevel,
     Schedule,
     TargetIdentity,
+    level_key,
     predictor_tensor,
 )
 from specee_edge.pack.mlp import MLPPredictor
@@ -89,8 +94,17 @@ def write_pack(path: str | os.PathLike, pack: Pack, *, predictor_type: str = "f3
     writer.add_array(KEY_FEATURES, list(FEATURES))
     # GGUF has no empty arrays: add_array skips them and reading takes a missing one as empty
     writer.add_array(KEY_PREDICTOR_LAYERS, sorted(pack.predictors))
-    if pack.thresholds:
-        writer.add_array(KEY_THRESHOLDS, [float(pack.thresholds[il]) for il in sorted(pack.predictors)])
+    if pack.temperatures:
+        writer.add_array(KEY_TEMPERATURES, [float(pack.temperatures.get(il, 1.0)) for il in sorted(pack.predictors)])
+    if pack.levels:
+        writer.add_array(KEY_LEVELS, [float(level.quality) for level in pack.levels])
+        writer.add_float32(KEY_DEFAULT_QUALITY, float(pack.level().quality))
+    for i, level in enumerate(pack.levels):
+        writer.add_array(level_key(i, "thresholds"), [float(level.thresholds.get(il, 1.0)) for il in sorted(pack.predictors)])
+        if level.offline:  # GGUF has no empty arrays: a missing one reads as empty
+            writer.add_array(level_key(i, "offline"), list(level.offline))
+        for name in LEVEL_FIELDS[2:]:
+            writer.add_float32(level_key(i, name), float(getattr(level, name)))
     writer.add_array(KEY_OFFLINE_LAYERS, list(pack.schedule.offline))
     writer.add_uint32(KEY_WINDOW, pack.schedule.window)
     writer.add_array(KEY_OFFSETS, list(pack.schedule.offsets))
@@ -159,8 +173,12 @@ def read_pack(path: str | os.PathLike) -> Pack:
         found = arch.contents() if arch is not None else "unknown"
         raise PackError(f"{path.name} is not a specee pack (its architecture is {found!r})")
     version = _field(reader, KEY_VERSION, int, path)
+    if version < FORMAT_VERSION:
+        raise PackError(f"{path.name} is a version {version} pack (no quality levels): recalibrate it with"
+                        f" `specee-edge calibrate MODEL.gguf -o {path.name}`")
     if version != FORMAT_VERSION:
-        raise PackError(f"{path.name} has pack format version {version}; this specee-edge reads version {FORMAT_VERSION}")
+        raise PackError(f"{path.name} has pack format version {version}; this specee-edge reads version {FORMAT_VERSION}"
+                        " (a newer specee-edge wrote it)")
 
     try:
         pack = _decode(reader, tensors, path)
@@ -213,12 +231,23 @@ def _decode(reader: gguf.GGUFReader, tensors: dict, path: Path) -> Pack:
         quant = head.tensor_type.name.lower() if head is not None else "f32"
         draft = DraftHead(kind, draft_tensors, vocab_map, quant)
 
-    thresholds = {}
-    if reader.get_field(KEY_THRESHOLDS) is not None:
-        values = _field(reader, KEY_THRESHOLDS, list, path)
+    def per_layer(key: str) -> dict[int, float]:
+        values = _field(reader, key, list, path)
         if len(values) != len(predictors):
-            raise PackError(f"{path.name}: {KEY_THRESHOLDS} has {len(values)} values for {len(predictors)} predictors")
-        thresholds = dict(zip(sorted(predictors), (float(v) for v in values)))
+            raise PackError(f"{path.name}: {key} has {len(values)} values for {len(predictors)} predictors")
+        return dict(zip(sorted(predictors), (float(v) for v in values)))
+
+    temperatures = per_layer(KEY_TEMPERATURES) if reader.get_field(KEY_TEMPERATURES) is not None else {}
+    levels, default_quality = [], None
+    if reader.get_field(KEY_LEVELS) is not None:
+        for i, quality in enumerate(_field(reader, KEY_LEVELS, list, path)):
+            offline = reader.get_field(level_key(i, "offline"))
+            levels.append(QualityLevel(
+                round(float(quality), 6),  # stored as float32: 0.9 reads back as 0.89999998
+                per_layer(level_key(i, "thresholds")),
+                [int(x) for x in offline.contents()] if offline is not None else [],
+                **{name: float(_field(reader, level_key(i, name), float, path)) for name in LEVEL_FIELDS[2:]}))
+        default_quality = round(float(_field(reader, KEY_DEFAULT_QUALITY, float, path)), 6)
     try:
         provenance = json.loads(_field(reader, KEY_PROVENANCE, str, path))
     except json.JSONDecodeError:
@@ -235,7 +264,9 @@ def _decode(reader: gguf.GGUFReader, tensors: dict, path: Path) -> Pack:
         predictors=predictors,
         draft=draft,
         provenance=provenance if isinstance(provenance, dict) else {},
-        thresholds=thresholds,
+        levels=levels,
+        default_quality=default_quality,
+        temperatures=temperatures,
     )
 
 
@@ -255,14 +286,24 @@ def validate(pack: Pack, *, name: str = "pack") -> None:
         fail(f"k = {pack.k} candidates; must be 1..8")
     if not 0.0 < pack.threshold < 1.0:
         fail(f"threshold {pack.threshold} is not in (0, 1)")
-    if set(pack.thresholds) - set(pack.predictors) or not all(0.0 < t <= 1.0 for t in pack.thresholds.values()):
-        fail("per-layer thresholds must be in (0, 1] and belong to predictor layers")
+    if set(pack.temperatures) - set(pack.predictors) or not all(0.05 <= v <= 20.0 for v in pack.temperatures.values()):
+        fail("temperatures must be in [0.05, 20] and belong to predictor layers")
+    qualities = [level.quality for level in pack.levels]
+    if qualities != sorted(set(qualities)) or not all(0.5 < q < 1.0 for q in qualities):
+        fail(f"quality levels must ascend within (0.5, 1): {qualities}")
+    if pack.levels and pack.default_quality not in qualities:
+        fail(f"the default quality {pack.default_quality} is not one of the levels {qualities}")
     last = t.n_layer - 1
-    for layer in [*pack.predictors, *pack.schedule.offline]:
+    offline_sets = [pack.schedule.offline, *(level.offline for level in pack.levels)]
+    for layer in [*pack.predictors, *(il for offline in offline_sets for il in offline)]:
         if not 0 <= layer < last:
             fail(f"layer {layer} is out of range [0, {last}) for a {t.n_layer}-layer target")
-    if missing := set(pack.schedule.offline) - set(pack.predictors):
-        fail(f"the offline schedule names layers without a predictor: {sorted(missing)}")
+    for offline in offline_sets:
+        if missing := set(offline) - set(pack.predictors):
+            fail(f"an offline schedule names layers without a predictor: {sorted(missing)}")
+    for level in pack.levels:
+        if set(level.thresholds) != set(pack.predictors) or not all(0.0 < v <= 1.0 for v in level.thresholds.values()):
+            fail(f"quality {level.quality:g}: thresholds must be in (0, 1], one per predictor layer")
     if not 0 <= pack.schedule.window <= 64 or any(abs(o) > t.n_layer for o in pack.schedule.offsets):
         fail("implausible online window or offsets")
 
