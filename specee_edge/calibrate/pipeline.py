@@ -102,25 +102,27 @@ class Calibration:
         prompts = load_prompts(self.config.prompts)
         task = progress.add_task("1/7 answers (tokens)", total=self.config.tokens)
         shards: list[Shard] = []
+        steps = 0
         collector = None
         t0 = time.perf_counter()
+        answers = ((round_, index, prompt) for round_ in range(MAX_ROUNDS) for index, prompt in enumerate(prompts))
         try:
-            for round_ in range(MAX_ROUNDS):
-                for index, prompt in enumerate(prompts):
-                    if sum(s.steps for s in shards) >= self.config.tokens:
-                        break
-                    path = shard_path(self.workdir, round_, index)
-                    if path.exists():
-                        shard = Shard.load(path)
-                    else:
-                        collector = collector or Collector(self.config.model, n_threads=self.config.threads,
-                                                           max_answer=self.config.max_answer)
-                        with threadpool_limits(limits=1, user_api="blas"):  # numpy's threads would fight the decode's
-                            shard = collector.answer(index, prompt, round_sampling(round_, index))
-                        shard.save(path)
-                    shards.append(shard)
-                    progress.update(task, advance=shard.steps)
-                    progress.refresh()
+            for round_, index, prompt in answers:
+                if steps >= self.config.tokens:
+                    break
+                path = shard_path(self.workdir, round_, index)
+                if path.exists():
+                    shard = Shard.load(path)
+                else:
+                    collector = collector or Collector(self.config.model, n_threads=self.config.threads,
+                                                       max_answer=self.config.max_answer)
+                    with threadpool_limits(limits=1, user_api="blas"):  # numpy's threads would fight the decode's
+                        shard = collector.answer(index, prompt, round_sampling(round_, index))
+                    shard.save(path)
+                shards.append(shard)
+                steps += shard.steps
+                progress.update(task, advance=shard.steps)
+                progress.refresh()
         finally:
             if collector:
                 collector.close()

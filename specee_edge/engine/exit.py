@@ -86,7 +86,7 @@ class ExitPolicy:
         # keeps every layer checked (above 1 that measures the machinery with exits impossible).
         checked = set(self.predictors) if self.threshold is not None else {il for il, t in self.thresholds.items() if t < 1.0}
         self.schedule = OnlineSchedule(schedule, checked)
-        self._probe_layers = None
+        self._probe_layers: list[int] | None = None  # what the context holds; None: set it at the next token
         if self.ctx is not None and self.native:
             for layer, threshold in self.thresholds.items():
                 self.ctx.set_threshold(layer, threshold)
@@ -117,7 +117,6 @@ class ExitPolicy:
         if self.native:
             for layer, mlp in self.predictors.items():
                 ctx.set_predictor(layer, mlp.weights, mlp.biases, self.thresholds[layer])
-        self._probe_layers: list[int] | None = None
 
     def set_active(self, on: bool) -> None:
         """Off: no probe layers and no callback, so the context decodes like a plain one."""
