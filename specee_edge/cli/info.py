@@ -81,7 +81,8 @@ def _pack_summary(path: Path) -> Group:
     ]
     head = _kv_table(f"pack {path.name}", [
         ("target", t.describe()),
-        ("candidates (k)", str(pack.k)),
+        ("candidates (k)", f"{pack.k}" + (f", the first from prompt lookup (n-grams up to {pack.lookup_max_n})"
+                                          if pack.lookup_max_n else ", all from the draft head")),
         *schedule,
         ("online window", f"last {pack.schedule.window} exits, offsets {pack.schedule.offsets}"),
         ("draft head", _draft_text(pack)),

@@ -6,6 +6,9 @@
 
 The draft vocabulary is the most frequent tokens of the calibration answers (vocab_map gives their
 target ids): scoring it costs a fraction of the full LM head.
+
+With prompt lookup (draft.lookup), the lookup's token takes the first slot and the draft fills the
+others with its best tokens but that one: `merged_top_k` is what the graph computes (patch 0007).
 """
 
 from __future__ import annotations
@@ -71,3 +74,17 @@ class LinearDraft:
         top = np.argpartition(scores, -self.k, axis=-1)[..., -self.k :]
         order = np.argsort(-np.take_along_axis(scores, top, axis=-1), axis=-1)
         return self.vocab_map[np.take_along_axis(top, order, axis=-1)]
+
+    def merged_top_k(self, scores: np.ndarray, lookup: np.ndarray) -> np.ndarray:
+        """[rows, k] candidates: each row's lookup token first (-1: none, the draft takes every slot),
+        then the draft's best tokens other than it, as the graph merges them."""
+        lookup = np.asarray(lookup, dtype=np.int64)
+        scores = np.array(scores, dtype=np.float32)
+        rows = np.flatnonzero(lookup >= 0)
+        order = np.argsort(self.vocab_map, kind="stable")
+        at = np.minimum(np.searchsorted(self.vocab_map, lookup[rows], sorter=order), len(order) - 1)
+        in_draft = self.vocab_map[order[at]] == lookup[rows]
+        scores[rows[in_draft], order[at[in_draft]]] = -np.inf
+        ranked = self.top_k(scores)
+        merged = np.concatenate([lookup[:, None], ranked[:, :-1]], axis=1)
+        return np.where(lookup[:, None] >= 0, merged, ranked)

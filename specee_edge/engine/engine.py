@@ -22,6 +22,7 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from threadpoolctl import threadpool_limits
 
 from specee_edge.default_model import default_model_path
+from specee_edge.draft.lookup import PromptLookup
 from specee_edge.engine.exit import ExitPolicy, find_pack
 from specee_edge.engine.records import GenerationStats, TokenRecord
 from specee_edge.engine.sampling import SamplingParams, sample
@@ -79,7 +80,8 @@ class Engine:
         self.early_exit = self.config.early_exit and self.policy is not None
         if self.policy:
             self.policy.set_active(self.early_exit)
-        self._kv_tokens: list[int] = []  # the tokens whose K/V are in the cache, in order
+        # the tokens whose K/V are in the cache, in order, indexed for prompt lookup if the pack uses it
+        self._history = PromptLookup(self.policy.pack.lookup_max_n if self.policy else 0)
         self._exit_layer: int | None = None  # of the last decoded token
         self.stats = GenerationStats(self.n_layer, self.early_exit)
 
@@ -93,16 +95,22 @@ class Engine:
         self.ctx.enable_early_exit(self.policy.k, kv_mode)
         return kv_mode
 
+    @property
+    def _kv_tokens(self) -> list[int]:
+        return self._history.tokens
+
     # --- one token -------------------------------------------------------------------------
 
     def _forward(self, token: int) -> TokenRecord:
         """Decode one token; its record (id filled in later) and the logits stay in self.ctx."""
         t0 = time.perf_counter()
         self._exit_layer = None
+        self._history.extend([token])      # before the decode: an interrupted one is undone by _sync_cache
         if not self.early_exit or self.policy.idle:
             self.ctx.decode([token])
             return TokenRecord(-1, "", None, 0, 0, None, forward_ms=(time.perf_counter() - t0) * 1e3)
-        self.policy.begin_token()          # the layers the schedule checks
+        lookup = self._history.propose() if self._history.max_n else None
+        self.policy.begin_token(lookup)    # the layers the schedule checks; the lookup candidate goes first
         self.ctx.decode([token])           # draft -> layers -> probe -> predictor -> verify -> KV, in llama_decode
         t1 = time.perf_counter()
         step = self.policy.end_token()     # exit layer, candidates; the online schedule learns it
@@ -125,14 +133,14 @@ class Engine:
         n_common = min(n_common, max(len(tokens) - 2, 0))
         if n_common < len(self._kv_tokens):
             self.ctx.truncate(n_common)
-            del self._kv_tokens[n_common:]
+            self._history.truncate(n_common)
         batch = tokens[n_common:]
         if self.early_exit:
             # with probe layers set, the batch's graph leaves its last hidden state where the first
             # draft reads it; a one-token prompt is decoded without them (its first draft reads zeros)
             self.policy.begin_prompt(probes=len(batch) > 1)
+        self._history.extend(batch)
         self.ctx.decode(batch)
-        self._kv_tokens.extend(batch)
         self._exit_layer = None
 
     def logits(self) -> np.ndarray:
@@ -188,6 +196,8 @@ class Engine:
                 record.sample_ms = (time.perf_counter() - t_sample) * 1e3
                 if self.early_exit and n > 0:
                     record.draft_hit = token in self.policy.candidates
+                    lookup = self.policy.lookup  # None, or not used when the step's graph had no draft
+                    record.lookup_hit = token == lookup if lookup in self.policy.candidates else None
                 if n == 0:
                     stats.prompt_s = time.perf_counter() - t0
                 else:
@@ -214,7 +224,6 @@ class Engine:
                 yield record
                 t0 = time.perf_counter()
                 record = self._forward(token)
-                self._kv_tokens.append(token)
             stats.finish_reason = "length"
             record.text += stops.flush()
             yield record
@@ -225,10 +234,12 @@ class Engine:
             self._sync_cache()
 
     def _sync_cache(self) -> None:
-        """After an interruption the cache may hold a token the engine did not record: drop it."""
-        if self.ctx.n_past != len(self._kv_tokens):
-            self.ctx.truncate(len(self._kv_tokens))
-            self._kv_tokens = self._kv_tokens[: self.ctx.n_past]
+        """After an interruption the cache and the history may disagree by the decode that was cut
+        short: keep what both hold."""
+        n = min(self.ctx.n_past, len(self._history))
+        if self.ctx.n_past != n:
+            self.ctx.truncate(n)
+        self._history.truncate(n)
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Generation:
         records = list(self.stream(prompt, **kwargs))
@@ -267,7 +278,7 @@ class Engine:
     def reset(self) -> None:
         """Forget the conversation: clear the KV cache."""
         self.ctx.clear()
-        self._kv_tokens.clear()
+        self._history.clear()
 
     def close(self) -> None:
         self.ctx.close()

@@ -53,6 +53,7 @@ class ExitPolicy:
     threshold: float | None     # one threshold for every layer, overriding the level's
     native: bool = True
     candidates: tuple[int, ...] = field(default=(), init=False)  # the last step's, for the next token
+    lookup: int | None = field(default=None, init=False)  # the last step's prompt-lookup candidate (its first slot)
     ctx: Context | None = field(default=None, init=False)
 
     @classmethod
@@ -147,14 +148,18 @@ class ExitPolicy:
         graph leaves the last hidden state where the first draft reads it."""
         self.schedule.reset()
         self.candidates = ()
+        self.lookup = None
         if probes:
             self._set_probe_layers()
         else:
             self.ctx.set_probe_layers([])
             self._probe_layers = []
 
-    def begin_token(self) -> None:
+    def begin_token(self, lookup: int | None = None) -> None:
+        """`lookup`: the prompt-lookup candidate for this step (None: the draft head fills every slot)."""
         self._set_probe_layers()  # the schedule changes only after an exit
+        self.lookup = lookup
+        self.ctx.set_lookup([] if lookup is None else [lookup])
         self.probes = 0
         self.verify_failures = 0
         self.predictor_s = 0.0

@@ -14,7 +14,8 @@ class TokenRecord:
     exit_layer: int | None     # None: the token ran every layer
     probes: int                # predictors evaluated
     verify_failures: int       # positive predictions whose exit logits' top-1 was not a candidate
-    draft_hit: bool | None     # the emitted token was among the draft's candidates (None: early exit off)
+    draft_hit: bool | None     # the emitted token was among the step's candidates (None: early exit off)
+    lookup_hit: bool | None = None  # it was the prompt-lookup candidate (None: there was none)
     draft_ms: float = 0.0      # inside forward_ms: the in-graph draft head (measured with EngineConfig.profile)
     forward_ms: float = 0.0    # llama_decode: draft, layers, probes, predictor, verification, KV handling
     predictor_ms: float = 0.0  # inside forward_ms: features and MLPs
@@ -36,6 +37,8 @@ class GenerationStats:
     verify_failures: int = 0
     positives: int = 0
     draft_hits: int = 0
+    lookup_proposals: int = 0     # steps with a prompt-lookup candidate
+    lookup_hits: int = 0          # ... that was the emitted token
     finish_reason: str = ""       # "stop" (EOS or a stop string), "length", "interrupted"
     exit_layers: list[int | None] = field(default_factory=list)
     time_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("draft", "forward", "predictor", "verify", "sample"), 0.0))
@@ -50,6 +53,8 @@ class GenerationStats:
         self.verify_failures += record.verify_failures
         self.positives += record.verify_failures + (record.exit_layer is not None)
         self.draft_hits += bool(record.draft_hit)
+        self.lookup_proposals += record.lookup_hit is not None
+        self.lookup_hits += bool(record.lookup_hit)
         for key in self.time_ms:
             self.time_ms[key] += getattr(record, f"{key}_ms")
 
@@ -80,7 +85,18 @@ class GenerationStats:
 
     @property
     def draft_recall_at_k(self) -> float:
+        """The emitted token was a candidate (any source)."""
         return self.draft_hits / self.n_decode if self.n_decode and self.early_exit else 0.0
+
+    @property
+    def recall_lookup(self) -> float:
+        """... the prompt-lookup candidate."""
+        return self.lookup_hits / self.n_decode if self.n_decode and self.early_exit else 0.0
+
+    @property
+    def recall_draft_head(self) -> float:
+        """... one of the draft head's candidates (the slots prompt lookup left it)."""
+        return (self.draft_hits - self.lookup_hits) / self.n_decode if self.n_decode and self.early_exit else 0.0
 
     def summary(self) -> dict:
         """The SPEC.md §5 names plus counts and the per-token time split (ms per token)."""
@@ -94,6 +110,8 @@ class GenerationStats:
             predictor_calls_per_token=self.predictor_calls_per_token,
             verify_fail_rate=self.verify_fail_rate,
             draft_recall_at_k=self.draft_recall_at_k,
+            recall_lookup=self.recall_lookup,
+            recall_draft_head=self.recall_draft_head,
             ms_per_token=per_token,
         )
         return out

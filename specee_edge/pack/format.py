@@ -38,6 +38,7 @@ KEY_OFFLINE_LAYERS = "specee.schedule.offline"
 KEY_WINDOW = "specee.schedule.window"
 KEY_OFFSETS = "specee.schedule.offsets"
 KEY_DRAFT_KIND = "specee.draft.kind"
+KEY_LOOKUP_MAX_N = "specee.candidates.lookup_max_n"  # optional; 0 or missing: the draft head's candidates only
 KEY_PROVENANCE = "specee.provenance"  # JSON object
 
 
@@ -124,6 +125,8 @@ class Pack:
     levels: list[QualityLevel] = field(default_factory=list)  # ascending quality; none: `threshold` and `schedule`
     default_quality: float | None = None                    # one of the levels' qualities
     temperatures: dict[int, float] = field(default_factory=dict)  # per predictor layer; missing: 1
+    # prompt lookup's longest n-gram; its candidate takes the first slot (the predictors were trained so)
+    lookup_max_n: int = 0
 
     def level(self, quality: float | None = None) -> QualityLevel | None:
         """The level for `quality`: the lowest level at or above it (never less quality than asked);

@@ -32,6 +32,7 @@ from specee_edge.pack.format import (
     KEY_DEFAULT_QUALITY,
     KEY_LEVELS,
     KEY_TEMPERATURES,
+    KEY_LOOKUP_MAX_N,
     KEY_VERSION,
     KEY_WINDOW,
     LEVEL_FIELDS,
@@ -94,6 +95,8 @@ def write_pack(path: str | os.PathLike, pack: Pack, *, predictor_type: str = "f3
     writer.add_array(KEY_FEATURES, list(FEATURES))
     # GGUF has no empty arrays: add_array skips them and reading takes a missing one as empty
     writer.add_array(KEY_PREDICTOR_LAYERS, sorted(pack.predictors))
+    if pack.lookup_max_n:
+        writer.add_uint32(KEY_LOOKUP_MAX_N, pack.lookup_max_n)
     if pack.temperatures:
         writer.add_array(KEY_TEMPERATURES, [float(pack.temperatures.get(il, 1.0)) for il in sorted(pack.predictors)])
     if pack.levels:
@@ -267,6 +270,7 @@ def _decode(reader: gguf.GGUFReader, tensors: dict, path: Path) -> Pack:
         levels=levels,
         default_quality=default_quality,
         temperatures=temperatures,
+        lookup_max_n=_field(reader, KEY_LOOKUP_MAX_N, int, path) if reader.get_field(KEY_LOOKUP_MAX_N) is not None else 0,
     )
 
 
@@ -286,6 +290,8 @@ def validate(pack: Pack, *, name: str = "pack") -> None:
         fail(f"k = {pack.k} candidates; must be 1..8")
     if not 0.0 < pack.threshold < 1.0:
         fail(f"threshold {pack.threshold} is not in (0, 1)")
+    if not 0 <= pack.lookup_max_n <= 8:
+        fail(f"prompt lookup n-grams of up to {pack.lookup_max_n} tokens; must be 0..8")
     if set(pack.temperatures) - set(pack.predictors) or not all(0.05 <= v <= 20.0 for v in pack.temperatures.values()):
         fail("temperatures must be in [0.05, 20] and belong to predictor layers")
     qualities = [level.quality for level in pack.levels]

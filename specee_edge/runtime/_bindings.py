@@ -76,6 +76,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
          _floats, ctypes.POINTER(ctypes.c_int32)],
         ctypes.c_int32,
     ),
+    "llama_specee_set_lookup": ([llama_context_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32], ctypes.c_int32),
     "llama_specee_set_predictor": (
         [llama_context_p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), _floats, ctypes.c_float],
         ctypes.c_int32,

@@ -204,6 +204,15 @@ class Context:
         self._require_early_exit()
         C["llama_specee_set_timing"](self._ctx, on)
 
+    def set_lookup(self, token_ids: Sequence[int]) -> None:
+        """Candidates for the next single-token decode only, ahead of the draft head's: they take the first
+        slots and the draft fills the rest with its best other tokens (none repeats). At most n_cand
+        distinct ids; an empty list leaves every slot to the draft."""
+        self._require_early_exit()
+        if C["llama_specee_set_lookup"](self._ctx, _int32_array(token_ids), len(token_ids)) != 0:
+            raise SpecEEError(f"lookup candidates need a draft head and at most {self.n_cand} distinct ids"
+                              f" in [0, {self.n_vocab}): {list(token_ids)}")
+
     def step_info(self) -> StepInfo:
         """What the last single-token decode did; inside a probe callback, the step so far."""
         self._require_early_exit()
