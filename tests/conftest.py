@@ -37,6 +37,12 @@ def tiny_model_path(tiny_dir: Path, arch: str, **overrides) -> Path:
     return path
 
 
+def exiting_quality(pack_path: Path = SHIPPED_PACK) -> float:
+    """The highest quality level of a pack with a layer on (a default level may turn every layer off)."""
+    return max(level.quality for level in read_pack(pack_path).levels
+               if any(t < 1.0 for t in level.thresholds.values()))
+
+
 def write_two_level_pack(path: Path) -> Path:
     """The default model's shipped pack with two quality levels: LOOSE (threshold 0.3 everywhere, so tokens
     exit) and STRICT, the default (the shipped default level's thresholds), and temperatures of 1.2."""

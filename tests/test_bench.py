@@ -85,8 +85,14 @@ def test_values_are_sane(bench_run):
     assert 0 <= data["exact_prefix"] <= TOKENS
     assert 1 < data["ppl_full"] < 1e4 and 1 < data["ppl_specee"] < 1e4 and 1 < data["ppl_specee_raw"] < 1e4
     assert 0 <= data["avg_exit_layer"] <= n_layer - 1 and 0 <= data["oracle_avg_exit_layer"] <= n_layer - 1
-    for rate in ("exit_rate", "verify_fail_rate", "draft_recall_at_k"):
+    for rate in ("exit_rate", "verify_fail_rate", "draft_recall_at_k", "recall_draft_head", "recall_lookup"):
         assert 0 <= data[rate] <= 1
+    # the sources share the k slots without repeating an id, so their recalls add up
+    assert math.isclose(data["draft_recall_at_k"], data["recall_draft_head"] + data["recall_lookup"])
+    by_category = data["recall_by_category"]
+    assert sum(c["steps"] for c in by_category.values()) == data["steps"]
+    assert math.isclose(sum(c["draft_recall_at_k"] * c["steps"] for c in by_category.values()),
+                        data["draft_recall_at_k"] * data["steps"])
     assert 0 <= data["predictor_calls_per_token"] <= n_layer - 1
     assert len(data["exit_histogram"]) == n_layer and sum(data["exit_histogram"]) == data["steps"]
     assert len(data["oracle_histogram"]) == n_layer and sum(data["oracle_histogram"]) == data["vanilla_steps"]

@@ -24,7 +24,7 @@ from specee_edge.cli.repl import Repl, ReplSettings
 from specee_edge.default_model import default_model_path
 from specee_edge.engine import GREEDY, Engine, EngineConfig, GenerationStats, SamplingParams
 from specee_edge.shipped import shipped_dir
-from tests.conftest import LOOSE, STRICT, write_two_level_pack
+from tests.conftest import LOOSE, STRICT, exiting_quality, write_two_level_pack
 
 CLI = str(Path(sys.executable).with_name("specee-edge"))
 PACK = shipped_dir() / "SmolLM2-135M-Instruct.Q4_1.specee.gguf"
@@ -300,7 +300,7 @@ def test_bad_pack(env):
 @needs_pack
 def test_generate_json_with_the_shipped_pack(env):
     result = run_cli("generate", "-p", "What is the capital of France?", "-n", "24", *FAST, "--json",
-                     "--quality", "0.98", env=env)  # a level with layers on (the default turns them all off)
+                     "--quality", str(exiting_quality()), env=env)  # a level with layers on
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     stats = out["stats"]

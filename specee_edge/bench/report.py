@@ -36,7 +36,11 @@ class ModeResult:
     exit_rate: float
     predictor_calls_per_token: float
     verify_fail_rate: float
-    draft_recall_at_k: float
+    draft_recall_at_k: float          # the emitted token was a candidate (any source)
+    recall_draft_head: float          # ... one of the draft head's
+    recall_lookup: float              # ... the prompt-lookup one
+    # per prompt category: {"steps", "draft_recall_at_k", "recall_draft_head", "recall_lookup"}
+    recall_by_category: dict[str, dict[str, float]]
     ms_per_token: dict[str, float]    # TIME_PARTS; sample is outside the decode time
     exit_histogram: list[int]         # index = exit layer; the last = ran every layer; sums to steps
 
@@ -152,7 +156,12 @@ class BenchResult:
             ("gain_captured", lambda m: "-" if m.gain_captured is None else f"{m.gain_captured:+.2f}"),
             ("predictor_calls_per_token", lambda m: f"{m.predictor_calls_per_token:.2f}"),
             (f"draft_recall@{self.k}", lambda m: f"{m.draft_recall_at_k:.3f}"),
+            ("  from the draft head", lambda m: f"{m.recall_draft_head:.3f}"),
+            ("  from prompt lookup", lambda m: f"{m.recall_lookup:.3f}"),
         ]
+        categories = sorted({c for m in self.modes for c in m.recall_by_category})
+        rows += [(f"draft_recall@{self.k} {c} (head + lookup)", lambda m, c=c: recall_cell(m.recall_by_category.get(c)))
+                 for c in categories]
         for label, cell in rows:
             table.add_row(label, *(cell(m) for m in self.modes))
         return table
@@ -178,6 +187,12 @@ class BenchResult:
             if any(counts[il] for counts in columns.values()):
                 table.add_row(str(il), *(bar(counts[il], max(counts), width) for counts in columns.values()))
         return table
+
+
+def recall_cell(recall: dict[str, float] | None) -> str:
+    if not recall:
+        return "-"
+    return f"{recall['draft_recall_at_k']:.3f} ({recall['recall_draft_head']:.3f} + {recall['recall_lookup']:.3f})"
 
 
 def bar(count: int, largest: int, width: int) -> str:

@@ -154,8 +154,9 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     reference = Context(model, n_ctx=seq_ctx, n_batch=seq_ctx, n_threads=config.threads)
     advance = reporter.task("quality", sum(lane.timing.steps for lane in lanes) + (len(lanes) + 1) * (len(heldout) - 1))
     ppl_full = perplexity(first, heldout, early_exit=False, advance=advance).value
+    categories = [p.category for p in selected]
     modes = [
-        mode_result(lane, vanilla, oracle,
+        mode_result(lane, vanilla, oracle, categories,
                     agreement=agreement(reference, prompts, lane.outputs, advance),
                     ppl=perplexity(lane.engine, heldout, early_exit=True, advance=advance))
         for lane in lanes
@@ -174,11 +175,16 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     )
 
 
-def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, *, agreement: float,
-                ppl: Perplexity) -> ModeResult:
+def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, categories: Sequence[str], *,
+                agreement: float, ppl: Perplexity) -> ModeResult:
+    """categories: each prompt's, in the order the lane answered them."""
     stats = GenerationStats(oracle.n_layer, early_exit=True)
     for record in lane.decode_records():
         stats.add(record)
+    by_category: dict[str, GenerationStats] = {}
+    for category, records in zip(categories, lane.records):
+        for record in records[1:]:
+            by_category.setdefault(category, GenerationStats(oracle.n_layer, early_exit=True)).add(record)
     speedup = lane.timing.tok_s / vanilla.timing.tok_s if vanilla.timing.tok_s else 0.0
     headroom = oracle.speedup - 1
     return ModeResult(
@@ -189,7 +195,12 @@ def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, *, agree
         ppl_specee=ppl.value, ppl_specee_raw=ppl.raw,
         avg_exit_layer=stats.avg_exit_layer, exit_rate=stats.exit_rate,
         predictor_calls_per_token=stats.predictor_calls_per_token, verify_fail_rate=stats.verify_fail_rate,
-        draft_recall_at_k=stats.draft_recall_at_k, ms_per_token=time_split(stats, lane.timing.ms),
+        draft_recall_at_k=stats.draft_recall_at_k, recall_draft_head=stats.recall_draft_head,
+        recall_lookup=stats.recall_lookup,
+        recall_by_category={c: {"steps": s.n_decode, "draft_recall_at_k": s.draft_recall_at_k,
+                                "recall_draft_head": s.recall_draft_head, "recall_lookup": s.recall_lookup}
+                            for c, s in sorted(by_category.items())},
+        ms_per_token=time_split(stats, lane.timing.ms),
         exit_histogram=exit_histogram(stats.exit_layers, oracle.n_layer),
     )
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from specee_edge.calibrate.collect import Shard
+from specee_edge.draft.lookup import lookup_proposals
 from specee_edge.runtime.weights import TargetWeights, lens_top1
 
 
@@ -67,6 +68,13 @@ def build(shards: list[Shard], weights: TargetWeights, first_layer: int = 0,
         parts["prev_exit"].append(shard.hidden[np.arange(n), oracle[:-1]])
         parts["top1"].append(top1[1:])
     return Dataset(**{k: np.concatenate(v) for k, v in parts.items()})
+
+
+def lookup_column(shards: list[Shard], max_n: int) -> np.ndarray:
+    """int32 [N]: each row's prompt-lookup candidate, as the engine proposes it at that step (-1: none)."""
+    parts = [[-1 if c is None else c for c in lookup_proposals(s.tokens.tolist(), s.start, s.start + s.steps, max_n)]
+             for s in shards]
+    return np.array([c for part in parts for c in part], dtype=np.int32)
 
 
 def save(dataset: Dataset, path: Path) -> None:

@@ -1,14 +1,18 @@
-"""Stage 3: the linear draft head, fitted by ridge regression (numpy, closed form).
+"""Stage 3: the linear draft head: ridge regression (numpy, closed form), then cross-entropy.
 
-Target: final_norm(h_s), so that the LM head rows of the draft vocabulary read it like the model's own
-head. Steps whose previous token could have left early appear twice, once with h_{s-1} from the
-last layer and once from its oracle exit layer, so the head stays good after an early exit.
+The ridge target is final_norm(h_s), so that the LM head rows of the draft vocabulary read it like the
+model's own head. From there, a few epochs of Adam on the softmax cross-entropy of the draft
+vocabulary's scores against the full model's next token train what the engine uses, the ranking:
+held-out recall@4 rose from 0.460 to 0.533 on SmolLM2 and from 0.491 to 0.550 on the 1.5B model,
+in every prompt category, for about 30 s more. Steps whose previous token could have left early
+appear twice, once with h_{s-1} from the last layer and once from its oracle exit layer, so the head
+stays good after an early exit.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import gguf
 import numpy as np
@@ -20,6 +24,27 @@ from specee_edge.pack.format import DraftHead
 from specee_edge.runtime.weights import TargetWeights
 
 
+# the ridge penalty per 1,000 rows: held-out recall@4 of the 1.5B model's draft was 0.452 at 1.0 and
+# 0.491 at 0.1 (10,000 training rows for 4.7M weights: less shrinkage, not more, generalised better)
+DRAFT_RIDGE = 0.1
+# Adam on the cross-entropy: 2 epochs at 3e-4 peaked on SmolLM2 (a third overfits) and came within
+# 0.003 of the best on the 1.5B model (1e-4 for 3 epochs); 1e-4 and 3e-4 were flat, 3e-5 too slow
+DRAFT_EPOCHS = 2
+DRAFT_LR = 3e-4
+DRAFT_BATCH = 1024
+
+
+@dataclass
+class SourceRecall:
+    """Held-out recall of one prompt category (or all), per candidate source."""
+
+    steps: int
+    vocab_coverage: float  # next tokens inside the draft vocabulary
+    draft: float           # recall@k of the draft head alone
+    lookup: float          # the prompt-lookup candidate alone
+    merged: float          # the engine's candidates: the lookup's first, the draft's after it
+
+
 @dataclass
 class DraftReport:
     vocab: int
@@ -29,6 +54,8 @@ class DraftReport:
     recall_at_k_after_exit: float  # with h_{s-1} from the previous token's oracle exit layer
     ms_per_token: float
     cost_share: float        # of one target forward
+    recall_at_k_merged: float = 0.0  # with the prompt-lookup candidate, as the engine proposes
+    by_category: dict[str, SourceRecall] = field(default_factory=dict)
 
 
 def draft_vocabulary(next_tokens: np.ndarray, size: int, n_vocab: int) -> np.ndarray:
@@ -45,8 +72,10 @@ def quantized(array: np.ndarray, qtype=gguf.GGMLQuantizationType.Q8_0) -> np.nda
 
 
 def fit_draft(ds: Dataset, weights: TargetWeights, train: np.ndarray, test: np.ndarray, *, k: int, vocab: int,
-              forward_ms: float, ridge: float = 1.0) -> tuple[DraftHead, DraftReport]:
-    """forward_ms: one single-token forward of the target, timed just before (the draft's cost is a share of it)."""
+              forward_ms: float, lookup: np.ndarray, categories: np.ndarray,
+              ridge: float = DRAFT_RIDGE) -> tuple[DraftHead, DraftReport]:
+    """forward_ms: one single-token forward of the target, timed just before (the draft's cost is a share of it).
+    lookup: every row's prompt-lookup candidate (-1: none); categories: every row's prompt category."""
     gamma, eps = weights.output_norm, weights.rms_eps
     tokens = np.unique(ds.token)
     embedding = dict(zip(tokens.tolist(), weights.embeddings(tokens)))
@@ -61,27 +90,69 @@ def fit_draft(ds: Dataset, weights: TargetWeights, train: np.ndarray, test: np.n
     reg = ridge * len(x) / 1000.0 * np.eye(x.shape[1])
     reg[-1, -1] = 0.0  # the bias is not shrunk
     w = np.linalg.solve(x.T @ x + reg, x.T @ y).T.astype(np.float32)  # [n_embd, 2 n_embd + 1]
+    del y
 
     vocab_map = draft_vocabulary(ds.final[train], vocab, weights.lm_head.shape[0])
+    head_rows = quantized(weights.lm_head[vocab_map])
+    position = {int(t): i for i, t in enumerate(vocab_map)}
+    targets = np.array([position.get(int(t), -1) for t in ds.final[np.concatenate([train, exited])]], dtype=np.int64)
+    w = refine_cross_entropy(x.astype(np.float32), targets, w, head_rows, seed=0)
     tensors = {
         "fc.weight": quantized(w[:, :-1]),
         "fc.bias": w[:, -1].copy(),
-        "head.weight": quantized(weights.lm_head[vocab_map]),
+        "head.weight": head_rows,
         "norm.weight": gamma.copy(),
         "norm.eps": np.array([eps], dtype=np.float32),
     }
     head = DraftHead(LINEAR_DRAFT_KIND, tensors, vocab_map)
-    return head, evaluate(LinearDraft(head, weights, k), ds, test, embedding, forward_ms)
+    return head, evaluate(LinearDraft(head, weights, k), ds, test, embedding, forward_ms, lookup[test], categories[test])
+
+
+def refine_cross_entropy(x: np.ndarray, targets: np.ndarray, w: np.ndarray, head: np.ndarray, *, seed: int,
+                         epochs: int = DRAFT_EPOCHS, lr: float = DRAFT_LR, batch: int = DRAFT_BATCH) -> np.ndarray:
+    """Adam on mean softmax cross-entropy of head @ (w @ x) against `targets` (rows of `head`; -1: outside
+    the draft vocabulary, left out). x: [rows, n_in] with a ones column for the bias; w: [n_embd, n_in]."""
+    w = w.copy()
+    m, v = np.zeros_like(w), np.zeros_like(w)
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    rng = np.random.default_rng(seed)
+    rows = np.flatnonzero(targets >= 0)
+    step = 0
+    for _ in range(epochs):
+        order = rng.permutation(rows)
+        for start in range(0, len(order), batch):
+            idx = order[start : start + batch]
+            xb, yb = x[idx], targets[idx]
+            scores = (xb @ w.T) @ head.T
+            scores -= scores.max(axis=1, keepdims=True)
+            p = np.exp(scores)
+            p /= p.sum(axis=1, keepdims=True)
+            p[np.arange(len(yb)), yb] -= 1.0  # d(loss)/d(scores), summed over the batch
+            grad = ((p @ head).T @ xb) / len(yb)
+            step += 1
+            m = beta1 * m + (1 - beta1) * grad
+            v = beta2 * v + (1 - beta2) * grad * grad
+            w -= lr * (m / (1 - beta1**step)) / (np.sqrt(v / (1 - beta2**step)) + eps)
+    return w
 
 
 def evaluate(draft: LinearDraft, ds: Dataset, test: np.ndarray, embedding: dict[int, np.ndarray],
-             forward_ms: float) -> DraftReport:
+             forward_ms: float, lookup: np.ndarray, categories: np.ndarray) -> DraftReport:
     emb = np.stack([embedding[t] for t in ds.token[test].tolist()])
     target = ds.final[test]
 
     def recall(prev: np.ndarray, k: int) -> float:
         cands = draft.top_k(draft.scores(emb, prev[test].astype(np.float32)))[:, :k]
         return float(np.mean((cands == target[:, None]).any(axis=1)))
+
+    scores = draft.scores(emb, ds.prev_final[test].astype(np.float32))
+    hit_draft = (draft.top_k(scores) == target[:, None]).any(axis=1)
+    hit_merged = (draft.merged_top_k(scores, lookup) == target[:, None]).any(axis=1)
+    hit_lookup, covered = lookup == target, np.isin(target, draft.vocab_map)
+
+    def by_source(rows: np.ndarray) -> SourceRecall:
+        return SourceRecall(int(rows.sum()), float(covered[rows].mean()), float(hit_draft[rows].mean()),
+                            float(hit_lookup[rows].mean()), float(hit_merged[rows].mean()))
 
     # cost of one proposal as the engine calls it (single-threaded BLAS, see Engine.stream)
     token, hidden = int(ds.token[test[0]]), ds.prev_final[test[0]].astype(np.float32)
@@ -99,4 +170,6 @@ def evaluate(draft: LinearDraft, ds: Dataset, test: np.ndarray, embedding: dict[
         recall_at_k_after_exit=recall(ds.prev_exit, draft.k),
         ms_per_token=ms,
         cost_share=ms / forward_ms,
+        recall_at_k_merged=float(hit_merged.mean()),
+        by_category={c: by_source(categories == c) for c in sorted(set(categories.tolist()))},
     )

@@ -6,6 +6,7 @@ done (collection resumes prompt by prompt).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from threadpoolctl import threadpool_limits
 
 from specee_edge.calibrate import dataset as dataset_stage
 from specee_edge.calibrate.collect import Collector, Shard, forward_ms, round_sampling, shard_path
-from specee_edge.calibrate.draft_fit import fit_draft
+from specee_edge.calibrate.draft_fit import DRAFT_RIDGE, fit_draft
 from specee_edge.calibrate.levels import DEFAULT_QUALITY, LEVELS, CostModel, LevelSearch, check_with_engine, choose_levels
 from specee_edge.calibrate.predictor_fit import (
     Probes,
@@ -34,9 +35,11 @@ from specee_edge.calibrate.report import CalibrationReport, LayerReport, LevelRe
 from specee_edge.calibrate.temperature import fit_temperatures
 from specee_edge.data.prompts import load_prompts, split
 from specee_edge.draft import LinearDraft
+from specee_edge.draft.lookup import LOOKUP_MAX_N
 from specee_edge.engine import Engine, EngineConfig
 from specee_edge.errors import SpecEEError
 from specee_edge.pack import Pack, QualityLevel, Schedule, target_identity, write_pack
+from specee_edge.pack.format import DraftHead
 from specee_edge.pack.convert import predictors_from_npz, predictors_to_npz
 from specee_edge.predictor import MLPPredictor
 from specee_edge.runtime.weights import TargetWeights
@@ -60,6 +63,8 @@ class CalibrateConfig:
     seed: int = 0
     max_answer: int = 256     # tokens per answer
     draft_vocab: int = 4096
+    draft_ridge: float = DRAFT_RIDGE
+    lookup: int = LOOKUP_MAX_N  # prompt lookup's longest n-gram (its candidate takes the first slot); 0: none
     hidden: int = 512         # predictor MLP width
     levels: tuple[float, ...] = LEVELS  # agreement targets, one set of thresholds each
     quality: float = DEFAULT_QUALITY    # the default level (one of `levels`)
@@ -148,10 +153,18 @@ class Calibration:
         self.seconds["lens"] = time.perf_counter() - t0
         return ds
 
-    def predictors(self, probes: Probes, train: np.ndarray, n_shards: int, advance) -> dict[int, MLPPredictor]:
+    def settings_key(self, n_shards: int, head: DraftHead) -> str:
+        """What the predictors (and so the levels' engine runs) depend on, for the names of cached
+        results: the data, the settings, and the draft head itself (its candidates are their features)."""
+        c = self.config
+        draft = hashlib.sha256(np.ascontiguousarray(head.tensors["fc.weight"]).tobytes()).hexdigest()[:8]
+        return f"{n_shards}-from{self.first_layer}-k{c.k}-d{draft}-l{c.lookup}-h{c.hidden}-s{c.seed}"
+
+    def predictors(self, probes: Probes, train: np.ndarray, n_shards: int, head: DraftHead,
+                   advance) -> dict[int, MLPPredictor]:
         """Trained once per data and settings: the levels only move the thresholds."""
         c = self.config
-        path = self.workdir / f"predictors-{n_shards}-from{self.first_layer}-k{c.k}-v{c.draft_vocab}-h{c.hidden}-s{c.seed}.npz"
+        path = self.workdir / f"predictors-{self.settings_key(n_shards, head)}.npz"
         if path.exists():
             return predictors_from_npz(path)
         predictors = train_predictors(probes, train, hidden=c.hidden, seed=c.seed, progress=advance)
@@ -166,11 +179,16 @@ class Calibration:
             ds = self.dataset(shards, weights, progress)
             train_p, calib_p, test_p = split(int(ds.prompt.max()) + 1, config.seed, SPLIT)
             train, calib, test = ds.rows(train_p), ds.rows(calib_p), ds.rows(test_p)
+            # the candidates the engine will see: the prompt-lookup one first, then the draft head's
+            lookup = dataset_stage.lookup_column(shards, config.lookup)
+            prompts = load_prompts(config.prompts)
+            categories = np.array([prompts[p].category for p in ds.prompt.tolist()])
 
             task = progress.add_task("3/7 draft head", total=1)
             t0 = time.perf_counter()
             head, draft_report = fit_draft(ds, weights, train, test, k=config.k, vocab=config.draft_vocab,
-                                           forward_ms=forward_ms(config.model, config.threads))
+                                           forward_ms=forward_ms(config.model, config.threads), lookup=lookup,
+                                           categories=categories, ridge=config.draft_ridge)
             draft = LinearDraft(head, weights, config.k)
             self.seconds["draft"] = time.perf_counter() - t0
             progress.update(task, advance=1)
@@ -178,7 +196,7 @@ class Calibration:
 
             task = progress.add_task("4/7 predictors (layers)", total=ds.n_layer - 1)
             t0 = time.perf_counter()
-            probes = probe_all(ds, draft, weights)
+            probes = probe_all(ds, draft, weights, lookup)
 
             def advance_task(task_id):
                 def advance(*_) -> None:
@@ -186,7 +204,7 @@ class Calibration:
                     progress.refresh()
                 return advance
 
-            predictors = self.predictors(probes, train, len(shards), advance_task(task))
+            predictors = self.predictors(probes, train, len(shards), head, advance_task(task))
             self.seconds["predictors"] = time.perf_counter() - t0
 
             task = progress.add_task("5/7 temperatures (layers)", total=len(predictors))
@@ -208,7 +226,7 @@ class Calibration:
             engine = Engine(config.model, pack=provisional, config=EngineConfig(n_ctx=2048, n_threads=config.threads))
             try:
                 answers = pick_answers(shards, calib_p, config.replay_tokens)
-                choices = check_with_engine(search, choices, self._cached_replay(engine, answers),
+                choices = check_with_engine(search, choices, self._cached_replay(engine, answers, self.settings_key(len(shards), head)),
                                             progress=advance_task(task))
             finally:
                 engine.close()
@@ -223,17 +241,18 @@ class Calibration:
             "model_file": config.model.name,
             "predictor": f"MLP {3 * config.k}->{config.hidden}->1 (scikit-learn), thresholds per quality level"
                          f" {', '.join(f'{q:g}' for q in config.levels)}",
-            "draft": f"linear ridge head over {config.draft_vocab} tokens, q8_0",
+            "draft": f"linear ridge head over {config.draft_vocab} tokens, q8_0"
+                     + (f"; prompt lookup up to {config.lookup}-grams in the first slot" if config.lookup else ""),
             "settings": {k: v for k, v in asdict(config).items() if k not in ("model", "output", "workdir", "command")}
             | {"prompts": str(config.prompts or "built-in")},
             "report": report.to_dict(),
         })
         return pack, report
 
-    def _cached_replay(self, engine: Engine, answers: list[Shard]) -> Callable[[QualityLevel], Replay]:
+    def _cached_replay(self, engine: Engine, answers: list[Shard], key: str) -> Callable[[QualityLevel], Replay]:
         """Engine replays are the slow part of the levels: a rerun that only picks another default
         --quality (the same data and settings, so the same candidate levels) reads them back."""
-        path = self.workdir / "engine-replays.json"
+        path = self.workdir / f"engine-replays-{key}.json"
         cache = json.loads(path.read_text()) if path.exists() else {}
 
         def measure(level: QualityLevel) -> Replay:
@@ -251,7 +270,7 @@ class Calibration:
         default = next(level for level in levels if level.quality == self.config.quality)
         return Pack(target=self.target, k=self.config.k, threshold=0.5, schedule=Schedule(offline=default.offline),
                     predictors=predictors, draft=head, levels=levels, default_quality=self.config.quality,
-                    temperatures=temperatures, provenance=provenance)
+                    temperatures=temperatures, lookup_max_n=self.config.lookup, provenance=provenance)
 
     def _report(self, ds, shards, train, test, draft_report, draft_vocab, probes, predictors, choices,
                 temperatures) -> CalibrationReport:

@@ -1,7 +1,7 @@
 """Stage 4: per-layer exit predictors, the offline schedule, and a simulation of the engine's decisions.
 
-Features are computed by predictor.features.probe_features, the code the engine runs, on the draft's
-candidates read through each layer's final-normed hidden state. The delta feature is taken against
+Features are computed by predictor.features.probe_features, the code the engine runs, on the step's
+candidates (the prompt-lookup one, then the draft's) read through each layer's final-normed hidden state. The delta feature is taken against
 a randomly chosen earlier layer (or none), as the online schedule leaves gaps of varying size.
 
 Label of (step, layer): the layer's top-1 equals the final top-1 and is among the candidates.
@@ -43,9 +43,10 @@ class Probes:
     correct: np.ndarray     # bool [N, n_layer]: the layer's top-1 is the final top-1
 
 
-def probe_all(ds: Dataset, draft: LinearDraft, weights: TargetWeights) -> Probes:
+def probe_all(ds: Dataset, draft: LinearDraft, weights: TargetWeights, lookup: np.ndarray) -> Probes:
+    """lookup: each row's prompt-lookup candidate (-1: none), merged with the draft's as the engine does."""
     emb = weights.embeddings(ds.token)
-    candidates = draft.top_k(draft.scores(emb, ds.prev_final.astype(np.float32)))
+    candidates = draft.merged_top_k(draft.scores(emb, ds.prev_final.astype(np.float32)), lookup)
     rows = weights.lm_head[candidates]  # [N, k, n_embd]
     logits = np.empty((len(ds.token), ds.n_layer, draft.k), dtype=np.float32)
     for il in range(ds.n_layer):

@@ -83,6 +83,7 @@ class CalibrationReport:
             ("prompts / answers / steps / train steps", f"{self.prompts} / {self.answers} / {self.tokens} / {self.train_tokens}"),
             ("draft vocabulary (held-out coverage)", f"{d.vocab} ({d.vocab_coverage:.2f})"),
             ("draft_recall@1 / @k / @k after an exit", f"{d.recall_at_1:.3f} / {d.recall_at_k:.3f} / {d.recall_at_k_after_exit:.3f}"),
+            ("recall@k with prompt lookup", f"{d.recall_at_k_merged:.3f}"),
             ("draft cost per token", f"{d.ms_per_token:.3f} ms ({d.cost_share:.1%} of a forward)"),
             ("oracle avg_exit_layer (layer-only speedup)", f"{self.oracle_avg_exit_layer:.2f} ({self.oracle_layer_speedup:.3f}x)"),
             ("exit cross-entropy, raw / with temperatures", f"{self.nll_raw:.3f} / {self.nll_temperature:.3f}"),
@@ -106,4 +107,9 @@ class CalibrationReport:
         for r in self.layers:
             layers.add_row(str(r.layer), f"{r.positive_rate:.3f}", f"{r.threshold:.2f}", f"{r.precision:.3f}",
                            f"{r.recall:.3f}", f"{r.temperature:.3f}")
-        return Group(summary, levels, layers)
+        sources = Table(title="candidate recall by prompt category (held-out steps)")
+        for column in ("category", "steps", "draft vocab coverage", "draft head", "prompt lookup", "merged"):
+            sources.add_column(column, justify="right")
+        for name, r in d.by_category.items():
+            sources.add_row(name, str(r.steps), f"{r.vocab_coverage:.3f}", f"{r.draft:.3f}", f"{r.lookup:.3f}", f"{r.merged:.3f}")
+        return Group(summary, sources, levels, layers)

@@ -25,6 +25,8 @@ def calibrate(
     quality: Annotated[float, typer.Option("--quality", help="the pack's default level (one of --levels)")] = 0.98,
     replay_tokens: Annotated[int, typer.Option("--replay-tokens", help="held-out steps the engine replays to check each level")] = 2000,
     draft_vocab: Annotated[int, typer.Option("--draft-vocab", help="tokens the draft head scores")] = 4096,
+    draft_ridge: Annotated[float, typer.Option("--draft-ridge", help="the draft head's ridge penalty per 1,000 rows")] = 0.1,
+    lookup: Annotated[int, typer.Option("--lookup", help="prompt lookup: the longest n-gram matched in the context (0: off)")] = 4,
     max_answer: Annotated[int, typer.Option("--max-answer", help="tokens per answer")] = 256,
     work_dir: Annotated[Path | None, typer.Option("--work-dir", help="keeps each stage's results, so a rerun resumes")] = None,
 ) -> None:
@@ -43,13 +45,14 @@ def calibrate(
             raise SpecEEError(f"--levels takes comma-separated numbers, got {levels!r}") from None
         if not all(0.5 < q < 1.0 for q in level_list) or quality not in level_list:
             raise SpecEEError("every --levels value must be in (0.5, 1), and --quality one of them")
-        if not 1 <= k <= 8 or tokens < 1 or draft_vocab < k or replay_tokens < 1:
-            raise SpecEEError("need 1 <= --k <= 8, --tokens >= 1, --replay-tokens >= 1 and --draft-vocab >= --k")
+        if not 1 <= k <= 8 or tokens < 1 or draft_vocab < k or replay_tokens < 1 or not 0 <= lookup <= 8 or draft_ridge < 0:
+            raise SpecEEError("need 1 <= --k <= 8, --tokens >= 1, --replay-tokens >= 1, --draft-vocab >= --k"
+                              ", 0 <= --lookup <= 8 and --draft-ridge >= 0")
         output = output or model_path.with_name(model_path.name.removesuffix(".gguf") + PACK_SUFFIX)
         config = CalibrateConfig(
             model=model_path, output=output, workdir=work_dir, tokens=tokens, prompts=prompts, k=k,
             threads=threads or default_threads(), seed=seed, max_answer=max_answer, draft_vocab=draft_vocab,
-            levels=level_list, quality=quality, replay_tokens=replay_tokens, command=" ".join(["specee-edge", *sys.argv[1:]]),
+            levels=level_list, quality=quality, replay_tokens=replay_tokens, lookup=lookup, draft_ridge=draft_ridge, command=" ".join(["specee-edge", *sys.argv[1:]]),
         )
         report = run_calibration(config, err_console)
     except SpecEEError as e:
