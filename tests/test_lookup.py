@@ -18,6 +18,7 @@ from specee_edge.pack.io import PackError
 from specee_edge.runtime import Context
 from specee_edge.runtime.weights import TargetWeights
 from tests.conftest import CHAT_PROMPT, SHIPPED_PACK
+from tests.test_native import context_with_draft
 
 
 def scan(tokens: list[int], max_n: int) -> int | None:
@@ -83,12 +84,7 @@ def test_in_graph_merge_equals_the_numpy_merge(default_model):
     draft = LinearDraft(dataclasses.replace(pack.draft, quant="f32"), TargetWeights(default_model.info.path), pack.k)
     outside = int(np.setdiff1d(np.arange(default_model.info.n_vocab), draft.vocab_map)[7])
     last = default_model.info.n_layer - 1
-    ctx = Context(default_model, n_ctx=512)
-    ctx.enable_early_exit(draft.k, "fill")
-    ctx.set_draft(w_embd=draft.w_embd, w_hidden=draft.w_hidden, bias=draft.bias, norm=draft.gamma, eps=draft.eps,
-                  head=draft.head, vocab_map=draft.vocab_map, quant=draft.quant)
-    ctx.set_probe_callback(lambda il, z: False)
-    ctx.set_probe_layers([20])
+    ctx = context_with_draft(default_model, draft)
     ctx.set_capture_layers([last])
     ctx.decode(default_model.tokenize(CHAT_PROMPT))
     hidden, token = ctx.captured(last)[-1], int(np.argmax(ctx.logits()))
@@ -111,13 +107,11 @@ def test_set_lookup_refuses_bad_ids_and_lasts_one_token(default_model):
     ctx.enable_early_exit(draft.k, "fill")
     with pytest.raises(SpecEEError, match="draft head"):  # nothing to merge with yet
         ctx.set_lookup([5])
-    ctx.set_draft(w_embd=draft.w_embd, w_hidden=draft.w_hidden, bias=draft.bias, norm=draft.gamma, eps=draft.eps,
-                  head=draft.head, vocab_map=draft.vocab_map, quant=draft.quant)
+    ctx.close()
+    ctx = context_with_draft(default_model, draft, n_ctx=128)
     for bad in ([5, 5], [1, 2, 3, 4, 5], [-1], [default_model.info.n_vocab]):
         with pytest.raises(SpecEEError, match="distinct ids"):
             ctx.set_lookup(bad)
-    ctx.set_probe_callback(lambda il, z: False)
-    ctx.set_probe_layers([20])
     tokens = default_model.tokenize(CHAT_PROMPT)
 
     def last_step(lookup: list[int] | None = None) -> tuple[int, ...]:

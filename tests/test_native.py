@@ -34,16 +34,22 @@ def draft_of(pack, default_model, quant: str) -> LinearDraft:
     return LinearDraft(head, TargetWeights(default_model.info.path), pack.k)
 
 
-def in_graph_and_reference_candidates(default_model, draft: LinearDraft) -> list[tuple[np.ndarray, tuple[int, ...], np.ndarray]]:
-    """Greedy decoding with the draft in the graph and a callback that never stops (so every step
-    runs every layer): per step (numpy scores, the graph's candidates, numpy's candidates)."""
-    last = default_model.info.n_layer - 1
-    ctx = Context(default_model, n_ctx=512)
+def context_with_draft(default_model, draft: LinearDraft, n_ctx: int = 512) -> Context:
+    """A context whose single-token graphs run `draft`, with a probe at layer 20 that never stops."""
+    ctx = Context(default_model, n_ctx=n_ctx)
     ctx.enable_early_exit(draft.k, "fill")
     ctx.set_draft(w_embd=draft.w_embd, w_hidden=draft.w_hidden, bias=draft.bias, norm=draft.gamma, eps=draft.eps,
                   head=draft.head, vocab_map=draft.vocab_map, quant=draft.quant)
     ctx.set_probe_callback(lambda il, z: False)
     ctx.set_probe_layers([20])
+    return ctx
+
+
+def in_graph_and_reference_candidates(default_model, draft: LinearDraft) -> list[tuple[np.ndarray, tuple[int, ...], np.ndarray]]:
+    """Greedy decoding with the draft in the graph and a callback that never stops (so every step
+    runs every layer): per step (numpy scores, the graph's candidates, numpy's candidates)."""
+    last = default_model.info.n_layer - 1
+    ctx = context_with_draft(default_model, draft)
     ctx.set_capture_layers([last])  # the reference reads h_{s-1} from the capture
     ctx.decode(default_model.tokenize(CHAT_PROMPT))
     hidden = ctx.captured(last)[-1]
