@@ -3,8 +3,8 @@
 The stock llama-cpp-python sdist is downloaded once, every ``patches/*.patch``
 is applied (in sorted order) to its vendored llama.cpp, and the resulting
 wheel is built and installed with ``pip``. Wheels are cached under a key that
-covers the version, the patches, the CMake flags, the Python tag and the
-machine, so rebuilding only happens when one of those changes.
+covers the version, the patches, the CMake flags, the Python tag, the
+machine and its CPU's instruction sets, so rebuilding only happens when one of those changes.
 
 Environment:
     SPECEE_BACKEND     cpu (default), cuda or metal
@@ -58,6 +58,19 @@ BACKEND_FLAGS = {
     "cuda": ("-DGGML_CUDA=on",),
     "metal": ("-DGGML_METAL=on",),
 }
+# x86: -march=native without AMX. ggml's AMX kernels run tile instructions on worker threads whose
+# tile state Linux never enabled (its XFD is per thread; ggml asks on the main thread only), so on
+# AMX CPUs the first batched matmul dies with SIGILL (seen on a 2-core Xeon VM: any prompt of more
+# than a few tokens). GGML_NATIVE would put -march=native after our flags, so it is off, its x86
+# defaults with it, and the compiler flags carry -march=native instead; ggml then takes AVX-512 paths.
+X86_MACHINES = ("x86_64", "amd64")
+X86_NATIVE_NO_AMX = "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+X86_FLAGS = (
+    "-DGGML_NATIVE=OFF",
+    *(f"-DGGML_{isa}=OFF" for isa in ("SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C")),
+    f"-DCMAKE_C_FLAGS='{X86_NATIVE_NO_AMX}'",
+    f"-DCMAKE_CXX_FLAGS='{X86_NATIVE_NO_AMX}'",
+)
 LOG_TAIL_LINES = 40
 NINJA_PROGRESS = re.compile(r"^\s*\[(\d+)/(\d+)\]")
 MAKE_PROGRESS = re.compile(r"^\s*\[\s*(\d+)%\]")
@@ -84,7 +97,19 @@ def cmake_flags() -> str:
     if backend not in BACKEND_FLAGS:
         die(f"unknown SPECEE_BACKEND {backend!r} (expected one of: {', '.join(BACKEND_FLAGS)})", 2)
     extra = os.environ.get("SPECEE_CMAKE_ARGS", "").strip()
-    return " ".join([*BASE_CMAKE_FLAGS, *BACKEND_FLAGS[backend], *([extra] if extra else [])])
+    machine = X86_FLAGS if platform.machine().lower() in X86_MACHINES and backend != "metal" else ()
+    return " ".join([*BASE_CMAKE_FLAGS, *BACKEND_FLAGS[backend], *machine, *([extra] if extra else [])])
+
+
+def cpu_features() -> str:
+    """The CPU's instruction-set flags (a native build runs only where they all hold), or its name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def patch_files() -> list[Path]:
@@ -108,6 +133,7 @@ def compute_key(cmake_args: str, patches: list[Path]) -> str:
     add("cmake", cmake_args.encode())
     add("python", sys.implementation.cache_tag.encode())
     add("machine", platform.machine().encode())
+    add("cpu", cpu_features().encode())
     return digest.hexdigest()
 
 
