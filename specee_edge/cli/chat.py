@@ -36,7 +36,7 @@ MinP = Annotated[float, typer.Option("--min-p", help="min-p sampling (0: off)")]
 RepeatPenalty = Annotated[float, typer.Option("--repeat-penalty", help="penalty on the last 64 tokens (1: off)")]
 SystemPrompt = Annotated[str | None, typer.Option("-sys", "--system-prompt", show_default=False, help="system prompt")]
 ChatTemplate = Annotated[str | None, typer.Option("--chat-template", show_default=False,
-                                                  help="chatml, llama3, mistral, a Jinja file or a template (default: the model's)")]
+                                                  help="chatml, llama3, mistral, gemma, a Jinja file or a template (default: the model's)")]
 NoEarlyExit = Annotated[bool, typer.Option("--no-early-exit", help="decode every layer (the pack stays loaded)")]
 Quality = Annotated[str | None, typer.Option("--quality", show_default=False, help=(
     "the pack's quality level: the agreement with the full model it guarantees, such as 0.95 "
@@ -108,7 +108,8 @@ def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str,
 
 def _registry_name(model_path: Path) -> str | None:
     """The registry name of a model file, so that messages can name a command that works."""
-    from specee_edge.pull import load_registry, pulled_path
+    from specee_edge.pull import pulled_path
+    from specee_edge.registry import load_registry
 
     try:
         return next((e.name for e in load_registry().values() if pulled_path(e) == model_path), None)
@@ -127,20 +128,9 @@ def parse_gpu_layers(value: str) -> int:
 
 def chat_template_text(value: str | None) -> str | None:
     """--chat-template: a known name, a file of Jinja, or the template itself."""
-    if value is None:
-        return None
-    from llama_cpp import llama_chat_format as formats
+    from specee_edge.chat_templates import template_text
 
-    named = {"chatml": formats.CHATML_CHAT_TEMPLATE, "llama3": formats.LLAMA3_INSTRUCT_CHAT_TEMPLATE,
-             "mistral": formats.MISTRAL_INSTRUCT_CHAT_TEMPLATE, "mistral-instruct": formats.MISTRAL_INSTRUCT_CHAT_TEMPLATE}
-    if value in named:
-        return named[value]
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text()
-    if "{{" in value or "{%" in value:
-        return value
-    raise SpecEEError(f"--chat-template {value!r} is neither {', '.join(named)}, a file, nor a Jinja template")
+    return None if value is None else template_text(value)
 
 
 def sampling_params(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int):

@@ -19,8 +19,9 @@ from rich.table import Column, Table
 
 from specee_edge.cli.app import app, console, err_console, fail
 from specee_edge.errors import SpecEEError
-from specee_edge.pull import PullProgress, get_entry, installed_path, load_registry, models_dir, pulled_path
+from specee_edge.pull import PullProgress, get_entry, installed_path, models_dir, pulled_path
 from specee_edge.pull import pull as pull_model
+from specee_edge.registry import load_registry
 
 
 @app.command()

@@ -21,6 +21,7 @@ import numpy as np
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from threadpoolctl import threadpool_limits
 
+from specee_edge.chat_templates import NAMED_TEMPLATES, named_template
 from specee_edge.default_model import default_model_path
 from specee_edge.draft.lookup import PromptLookup
 from specee_edge.engine.exit import ExitPolicy, find_pack
@@ -28,6 +29,7 @@ from specee_edge.engine.records import GenerationStats, TokenRecord
 from specee_edge.engine.sampling import SamplingParams, sample
 from specee_edge.engine.stops import StopMatcher
 from specee_edge.errors import ContextFullError, SpecEEError, UnsupportedModelError
+from specee_edge.registry import entry_for_file
 from specee_edge.runtime import Context, Model
 from specee_edge.threads import default_threads
 
@@ -59,6 +61,12 @@ class Generation:
     stats: GenerationStats
 
 
+def _registry_template(model_path: Path) -> str | None:
+    """The named template the registry gives a model whose GGUF has none (gemma-3 on PyPI)."""
+    entry = entry_for_file(model_path)
+    return named_template(entry.chat_template) if entry and entry.chat_template else None
+
+
 class Engine:
     def __init__(self, model: str | os.PathLike | None = None, pack: str | os.PathLike | None = AUTO,
                  config: EngineConfig | None = None):
@@ -84,6 +92,7 @@ class Engine:
         self._history = PromptLookup(self.policy.pack.lookup_max_n if self.policy else 0)
         self._exit_layer: int | None = None  # of the last decoded token
         self.stats = GenerationStats(self.n_layer, self.early_exit)
+        self.chat_template = self.model.meta("tokenizer.chat_template") or _registry_template(model_path)
 
     def _enable_early_exit(self, kv_mode: str | None) -> str:
         if kv_mode is None:
@@ -248,9 +257,11 @@ class Engine:
     # --- chat ------------------------------------------------------------------------------
 
     def format_chat(self, messages: list[dict], chat_template: str | None = None) -> str:
-        template = chat_template or self.model.meta("tokenizer.chat_template")
+        """`messages` through `chat_template`, else the GGUF's template, else its registry entry's."""
+        template = chat_template or self.chat_template
         if not template:
-            raise SpecEEError(f"{self.model.info.path.name} has no chat template: pass --chat-template")
+            raise SpecEEError(f"{self.model.info.path.name} has no chat template: pass --chat-template"
+                              f" ({', '.join(NAMED_TEMPLATES)}, a Jinja file or a template)")
         vocab_piece = lambda key: self.model.token_to_piece(int(self.model.meta(key) or 0), special=True).decode(errors="replace")
         formatter = Jinja2ChatFormatter(template, eos_token=vocab_piece("tokenizer.ggml.eos_token_id"),
                                         bos_token=vocab_piece("tokenizer.ggml.bos_token_id"))
