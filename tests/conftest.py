@@ -37,6 +37,22 @@ def tiny_model_path(tiny_dir: Path, arch: str, **overrides) -> Path:
     return path
 
 
+# The tiny model of each architecture early exit supports. gemma3 twice: global attention only (one
+# unified cache), and with a window of 8 tokens on layers 0, 1 and 3 (llama.cpp keeps an iSWA cache pair:
+# the window layers' cache and the global layer's) and its output soft-capped at 2.
+SUPPORTED_VARIANTS: dict[str, dict] = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {},
+    "gemma3": {},
+    "gemma3-swa": {"n_swa": 8, "swa_pattern": 3, "final_softcap": 2.0},
+}
+
+
+def supported_model_path(tiny_dir: Path, variant: str, **overrides) -> Path:
+    return tiny_model_path(tiny_dir, variant.split("-")[0], **SUPPORTED_VARIANTS[variant], **overrides)
+
+
 def exiting_quality(pack_path: Path = SHIPPED_PACK) -> float:
     """The highest quality level of a pack with a layer on (a default level may turn every layer off)."""
     return max(level.quality for level in read_pack(pack_path).levels

@@ -1,4 +1,5 @@
-"""A numpy logit lens read straight from a GGUF: final_norm(h) through the LM head (test reference)."""
+"""A numpy logit lens read straight from a GGUF: final_norm(h) through the LM head, soft-capped where
+the model is (test reference)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class LogitLens:
     norm_weight: np.ndarray  # [n_embd]
     lm_head: np.ndarray  # [n_vocab, n_embd]
     eps: float
+    softcap: float = 0.0  # gemma's output soft-capping: cap * tanh(z / cap) (0: none)
 
     @classmethod
     def from_gguf(cls, path: Path) -> "LogitLens":
@@ -38,9 +40,13 @@ class LogitLens:
             norm_weight=_tensor(reader, "output_norm.weight"),
             lm_head=lm_head,
             eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+            softcap=float(_field(reader, f"{arch}.final_logit_softcapping") or 0.0) if arch == "gemma3" else 0.0,
         )
 
     def __call__(self, hidden: np.ndarray) -> np.ndarray:
         h = hidden.astype(np.float64)
         normed = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + self.eps) * self.norm_weight
-        return (normed @ self.lm_head.T.astype(np.float64)).astype(np.float32)
+        logits = normed @ self.lm_head.T.astype(np.float64)
+        if self.softcap:
+            logits = self.softcap * np.tanh(logits / self.softcap)
+        return logits.astype(np.float32)

@@ -16,21 +16,23 @@ from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.errors import SpecEEError
 from specee_edge.pack import read_pack, target_identity
 from specee_edge.predictor.features import probe_features
-from tests.conftest import tiny_model_path
+from tests.conftest import supported_model_path, tiny_model_path
 
 PROMPTS = ["hello world", "the quick brown fox", "what is the capital of France?", "one, two, three",
            "once upon a time", "def main(): return 0", "how are you today?", "tokenize the prompt"]
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, tiny_dir):
-    work = tmp_path_factory.mktemp("calibrate")
+def calibrate_tiny(work, model):
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    model = tiny_model_path(tiny_dir, "llama", n_layer=6)
     config = CalibrateConfig(model=model, output=work / "tiny.specee.gguf", workdir=work / "work", tokens=240,
                              prompts=prompts, max_answer=32, threads=2, hidden=32, command="test")
     return config, calibrate(config)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny_dir):
+    return calibrate_tiny(tmp_path_factory.mktemp("calibrate"), tiny_model_path(tiny_dir, "llama", n_layer=6))
 
 
 def test_calibrate_tiny_model_end_to_end(tiny_run):
@@ -66,6 +68,14 @@ def test_every_level_of_a_calibrated_pack_decodes(tiny_run):
             assert len(out.tokens) >= 1 and out.stats.early_exit
     finally:
         engine.close()
+
+
+def test_calibrate_a_sliding_window_model_with_soft_capped_logits(tmp_path, tiny_dir):
+    """gemma3 end to end: features from soft-capped candidate logits, a pack every level of which decodes."""
+    config, report = calibrate_tiny(tmp_path, supported_model_path(tiny_dir, "gemma3-swa", n_layer=6))
+    pack = read_pack(config.output)
+    assert pack.target.arch == "gemma3" and pack.predictors and report.tokens > 0
+    test_every_level_of_a_calibrated_pack_decodes((config, report))
 
 
 def test_calibrate_resumes_from_its_work_dir(tiny_run):

@@ -1,6 +1,7 @@
 """The patched runtime: probes, stops, exit logits, resume, KV modes, bad input.
 
-Tiny random-weight GGUFs (one per supported architecture) and the default model.
+Tiny random-weight GGUFs (one per supported architecture, gemma3 with and without its sliding window)
+and the default model.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ from llama_cpp import llama_cpp as llama_c
 
 from specee_edge.errors import ContextFullError, ModelLoadError, SpecEEError, UnsupportedModelError
 from specee_edge.runtime import Context, Model
-from tests.conftest import CHAT_PROMPT, tiny_model_path
+from tests.conftest import CHAT_PROMPT, SUPPORTED_VARIANTS, supported_model_path, tiny_model_path
 from tests.logit_lens import LogitLens
 from tests.tiny_gguf import write_corrupt_model
 
-SUPPORTED_ARCHS = ["llama", "qwen2", "qwen3"]
 TINY_PROMPT = "hello world, the quick brown fox"
 
 
@@ -82,10 +82,10 @@ def test_prompt_processing_never_stops(default_model):
 # --- stop, exit logits, resume --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+@pytest.mark.parametrize("variant", SUPPORTED_VARIANTS)
 @pytest.mark.parametrize("tied", [False, True])
-def test_stop_gives_logit_lens_of_the_exit_layer(tiny_dir, arch, tied):
-    path = tiny_model_path(tiny_dir, arch, tied_embeddings=tied)
+def test_stop_gives_logit_lens_of_the_exit_layer(tiny_dir, variant, tied):
+    path = supported_model_path(tiny_dir, variant, tied_embeddings=tied)
     model = Model(path)
     lens = LogitLens.from_gguf(path)
     layer = model.info.n_layer // 2
@@ -140,9 +140,9 @@ def test_stop_on_the_default_model_matches_numpy(default_model):
     assert int(np.argmax(ctx.logits())) == int(np.argmax(expected))
 
 
-@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
-def test_resume_equals_a_decode_that_never_stopped(tiny_dir, arch):
-    model = Model(tiny_model_path(tiny_dir, arch))
+@pytest.mark.parametrize("variant", SUPPORTED_VARIANTS)
+def test_resume_equals_a_decode_that_never_stopped(tiny_dir, variant):
+    model = Model(supported_model_path(tiny_dir, variant))
     prompt = model.tokenize(TINY_PROMPT)
     reference = Context(model, n_ctx=128)
     ref_tokens = greedy(reference, prompt, 12)
@@ -216,9 +216,9 @@ def teacher_forced(ctx: Context, prompt: list[int], continuation: list[int]) -> 
     return np.array(steps)
 
 
-@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
-def test_full_mode_continues_bit_identically(tiny_dir, arch):
-    model = Model(tiny_model_path(tiny_dir, arch))
+@pytest.mark.parametrize("variant", SUPPORTED_VARIANTS)
+def test_full_mode_continues_bit_identically(tiny_dir, variant):
+    model = Model(supported_model_path(tiny_dir, variant))
     prompt = model.tokenize(TINY_PROMPT)
     continuation = greedy(Context(model, n_ctx=128), prompt, 16)
     never_exited = teacher_forced(Context(model, n_ctx=128), prompt, continuation)
@@ -253,10 +253,10 @@ def test_kv_modes_ignore_what_the_cells_held_before(default_model, mode):
     assert reused.cell_depth(exited + 1) == default_model.info.n_layer - 1
 
 
-@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
-def test_fill_rebuilds_the_exact_kv_when_only_the_last_layer_is_skipped(tiny_dir, arch):
+@pytest.mark.parametrize("variant", SUPPORTED_VARIANTS)
+def test_fill_rebuilds_the_exact_kv_when_only_the_last_layer_is_skipped(tiny_dir, variant):
     """Exiting after layer n-2, h_exit is the last layer's true input: fill must equal full depth."""
-    model = Model(tiny_model_path(tiny_dir, arch))
+    model = Model(supported_model_path(tiny_dir, variant))
     prompt = model.tokenize(TINY_PROMPT)
     continuation = greedy(Context(model, n_ctx=128), prompt, 16)
     last_but_one = model.info.n_layer - 2

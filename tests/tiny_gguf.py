@@ -1,9 +1,13 @@
 """Tiny random-weight GGUF models for fast unit tests.
 
 ``write_tiny_model`` writes a few-hundred-KB model that the llama.cpp vendored in
-llama-cpp-python 0.3.36 loads and runs (``llama``, ``qwen2``, ``qwen3`` and
+llama-cpp-python 0.3.36 loads and runs (``llama``, ``qwen2``, ``qwen3``, ``gemma3`` and
 ``gpt2``; ``gpt2`` is the architecture llama.cpp supports but our early exit does
 not: fused QKV, LayerNorm with biases, learned position embeddings, no RoPE).
+``gemma3`` has Gemma's post-attention and post-FFN norms and Q/K norms, its input
+embedding scaled by sqrt(n_embd), optional output soft-capping, and with
+``n_swa > 0`` a sliding window on all layers but every ``swa_pattern``-th (llama.cpp
+then keeps two caches: one for the window layers, one for the global ones).
 ``write_corrupt_model`` writes files llama.cpp must refuse to load.
 
 The vocabulary is a real byte-level BPE (``tokenizer.ggml.model = "gpt2"``,
@@ -35,7 +39,7 @@ from gguf import GGMLQuantizationType, TokenType
 # weak attention output so the last position is not dominated by the context mean.
 EMBD_SCALE = 0.05
 ATTN_OUT_GAIN = 0.1
-ARCHS = ("llama", "qwen2", "qwen3", "gpt2")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "gpt2")
 WEIGHT_TYPES = ("f32", "f16", "q8_0")
 CORRUPT_KINDS = ("truncated", "garbage", "empty")
 
@@ -85,6 +89,10 @@ class TinyConfig:
     tied_embeddings: bool = False
     weight_type: str = "f32"
     seed: int = 0
+    n_swa: int = 0
+    swa_pattern: int = 2
+    final_softcap: float = 0.0
+    chat_template: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -214,6 +222,13 @@ def _add_metadata(w: gguf.GGUFWriter, c: TinyConfig) -> None:
         w.add_rope_dimension_count(c.head_dim)
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
+    if c.arch == "gemma3":
+        if c.n_swa:
+            w.add_sliding_window(c.n_swa)
+            w.add_uint32(f"{c.arch}.attention.sliding_window_pattern", c.swa_pattern)
+            w.add_float32(f"{c.arch}.rope.freq_base_swa", 1000.0)
+        if c.final_softcap:
+            w.add_final_logit_softcapping(c.final_softcap)
 
     tokens, types, merges = build_vocab(c.n_vocab)
     w.add_tokenizer_model("gpt2")
@@ -227,7 +242,8 @@ def _add_metadata(w: gguf.GGUFWriter, c: TinyConfig) -> None:
     w.add_pad_token_id(BOS_ID)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
-    w.add_chat_template(CHATML_TEMPLATE)
+    if c.chat_template:
+        w.add_chat_template(CHATML_TEMPLATE)
 
 
 def _add_tensors(t: _Weights, c: TinyConfig) -> None:
@@ -259,7 +275,7 @@ def _add_tensors(t: _Weights, c: TinyConfig) -> None:
             t.vector(p + "attn_q.bias", e, scale=0.1)
             t.vector(p + "attn_k.bias", kv, scale=0.1)
             t.vector(p + "attn_v.bias", kv, scale=0.1)
-        if c.arch == "qwen3":
+        if c.arch in ("qwen3", "gemma3"):
             t.vector(p + "attn_q_norm.weight", c.head_dim, mean=1.0, scale=0.1)
             t.vector(p + "attn_k_norm.weight", c.head_dim, mean=1.0, scale=0.1)
         t.matrix(p + "attn_output.weight", e, e, scale=ATTN_OUT_GAIN / np.sqrt(e))
@@ -267,6 +283,9 @@ def _add_tensors(t: _Weights, c: TinyConfig) -> None:
         t.matrix(p + "ffn_gate.weight", ff, e)
         t.matrix(p + "ffn_up.weight", ff, e)
         t.matrix(p + "ffn_down.weight", e, ff)
+        if c.arch == "gemma3":  # gemma's norms after attention and FFN (stored with Gemma's +1 folded in)
+            t.vector(p + "post_attention_norm.weight", e, mean=1.0, scale=0.1)
+            t.vector(p + "post_ffw_norm.weight", e, mean=1.0, scale=0.1)
     t.vector("output_norm.weight", e, mean=1.0, scale=0.1)
     if c.arch == "gpt2":
         t.vector("output_norm.bias", e)

@@ -50,7 +50,7 @@ def probe_all(ds: Dataset, draft: LinearDraft, weights: TargetWeights, lookup: n
     rows = weights.lm_head[candidates]  # [N, k, n_embd]
     logits = np.empty((len(ds.token), ds.n_layer, draft.k), dtype=np.float32)
     for il in range(ds.n_layer):
-        logits[:, il] = np.einsum("nd,nkd->nk", weights.final_norm(ds.hidden[:, il].astype(np.float32)), rows)
+        logits[:, il] = weights.capped(np.einsum("nd,nkd->nk", weights.final_norm(ds.hidden[:, il].astype(np.float32)), rows))
     verified = (ds.top1[:, :, None] == candidates[:, None, :]).any(axis=2)
     correct = ds.top1 == ds.final[:, None]
     return Probes(candidates, logits, verified & correct, verified, correct)

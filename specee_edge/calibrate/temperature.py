@@ -33,7 +33,7 @@ def _log_softmax(z: np.ndarray) -> np.ndarray:
 
 
 def _logits(ds: Dataset, weights: TargetWeights, rows: np.ndarray, layer: int) -> np.ndarray:
-    return weights.final_norm(ds.hidden[rows, layer].astype(np.float32)) @ weights.lm_head.T
+    return weights.capped(weights.final_norm(ds.hidden[rows, layer].astype(np.float32)) @ weights.lm_head.T)
 
 
 def cross_entropy(z: np.ndarray, target: np.ndarray, beta: float) -> float:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from llama_cpp import llama_cpp as _llama
 
+from specee_edge.archs import SUPPORTED
 from specee_edge.errors import ContextFullError, SpecEEError, UnsupportedModelError
 from specee_edge.runtime._bindings import C, KV_MODES, MAX_CANDIDATES, TokenInfo, probe_callback_t
 from specee_edge.runtime.model import Model
@@ -69,7 +70,10 @@ class Context:
         n_batch: int = 512,
         n_threads: int = 2,
         flash_attn: bool = False,
+        swa_full: bool = True,
     ):
+        """`swa_full`: a sliding-window model keeps every token's K/V in its window cache (llama.cpp's
+        default), so that truncating the cache never leaves the window short of tokens it needs."""
         self.model = model
         params = _llama.llama_context_default_params()
         params.n_ctx = n_ctx
@@ -79,6 +83,7 @@ class Context:
         params.n_threads = n_threads
         params.n_threads_batch = n_threads
         params.flash_attn_type = 1 if flash_attn else 0
+        params.swa_full = swa_full
         self._ctx = _llama.llama_init_from_model(model.handle, params)
         if not self._ctx:
             raise SpecEEError(f"llama.cpp could not create a context of {n_ctx} tokens for {model.info.path}")
@@ -104,8 +109,7 @@ class Context:
         rc = C["llama_specee_enable"](self._ctx, n_cand, KV_MODES[kv_mode])
         if rc == -1:
             raise UnsupportedModelError(
-                f"early exit does not support the {self.model.info.arch!r} architecture "
-                "(supported: llama, qwen2, qwen3)"
+                f"early exit does not support the {self.model.info.arch!r} architecture (supported: {SUPPORTED})"
             )
         if rc == -4:
             raise UnsupportedModelError(

@@ -14,6 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from specee_edge.archs import ARCHS
 from specee_edge.errors import ModelLoadError
 from specee_edge.gguf_index import GGUFIndex
 
@@ -27,6 +28,9 @@ class TargetWeights:
         self._tensors = {t.name: t for t in self.reader.tensors}
         arch = self.reader.value("general.architecture")
         self.rms_eps = float(self.reader.value(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-6)
+        facts = ARCHS.get(arch)
+        key = facts.softcap_key if facts else None
+        self.softcap = float(self.reader.value(key) or 0.0) if key else 0.0
         self._embd = self._tensor("token_embd.weight")
         # a tied LM head has no output.weight: it reads the embedding table
         self._head = self._tensors.get("output.weight", self._embd)
@@ -63,6 +67,12 @@ class TargetWeights:
         """The model's final RMS norm over the last axis."""
         return final_norm(hidden, self.output_norm, self.rms_eps)
 
+    def capped(self, logits: np.ndarray) -> np.ndarray:
+        """What the model's output path makes of raw LM-head logits: its soft-capping, if it has one."""
+        if not self.softcap:
+            return logits
+        return (self.softcap * np.tanh(logits / self.softcap)).astype(np.float32)
+
 
 def final_norm(hidden: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
     h = np.asarray(hidden, dtype=np.float32)
@@ -70,7 +80,8 @@ def final_norm(hidden: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
 
 
 def lens_top1(hidden: np.ndarray, weights: TargetWeights, progress: Callable[[int], None] = lambda n: None) -> np.ndarray:
-    """argmax over the vocabulary of final_norm(h) through the LM head, for [..., n_embd] hidden states."""
+    """argmax over the vocabulary of final_norm(h) through the LM head, for [..., n_embd] hidden states
+    (a soft-cap, being monotone, leaves it unchanged)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     out = np.empty(len(flat), dtype=np.int32)
     head_t = np.ascontiguousarray(weights.lm_head.T)

@@ -1,0 +1,124 @@
+"""gemma3: its sliding-window cache pair (iSWA), output soft-capping and a GGUF without a chat template.
+
+Tiny random-weight gemma3 GGUFs: a window of 8 tokens on layers 0, 1 and 3, layer 2 global, logits
+soft-capped at 2. The runtime tests shared by every architecture (stop, exit logits, resume, KV modes)
+run on them too (tests/test_runtime.py); these are the ones only a sliding window has.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from llama_cpp import Llama
+from llama_cpp import llama_cpp as llama_c
+
+from specee_edge.chat_templates import GEMMA_CHAT_TEMPLATE
+from specee_edge.engine import GREEDY, Engine, EngineConfig
+from specee_edge.errors import SpecEEError
+from specee_edge.registry import REGISTRY_ENV, entry_for_file
+from specee_edge.runtime import Context, Model
+from tests.conftest import supported_model_path
+from tests.test_runtime import TINY_PROMPT, forced_exit_run, greedy, teacher_forced, top_k
+
+WINDOW = "gemma3-swa"
+
+
+@pytest.fixture(scope="module")
+def swa_model(tiny_dir) -> Model:
+    return Model(supported_model_path(tiny_dir, WINDOW))
+
+
+def test_hooks_off_match_stock_llama_across_the_window(swa_model):
+    prompt = swa_model.tokenize(TINY_PROMPT)
+    llm = Llama(model_path=str(swa_model.info.path), n_ctx=128, n_threads=2, verbose=False)
+    stock = []
+    for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+        stock.append(token)
+        if len(stock) == 40:  # well past the window of 8
+            break
+
+    assert greedy(Context(swa_model, n_ctx=128), prompt, 40) == stock
+    probing = Context(swa_model, n_ctx=128)
+    probing.enable_early_exit(4, "mask")
+    probing.set_probe_layers(range(swa_model.info.n_layer - 1))
+    calls = []
+    probing.set_probe_callback(lambda il, z: calls.append(il) or False)
+    assert greedy(probing, prompt, 40) == stock
+    assert len(calls) == 40 * (swa_model.info.n_layer - 1)
+
+
+@pytest.mark.parametrize("mode", ["mask", "fill"])
+def test_cells_reused_after_the_window_moved_on_never_leak_stale_kv(swa_model, mode):
+    """With a window cache of 256 cells (swa_full off), 300 tokens make it reuse the cells of tokens that
+    left the window: their K/V stay in the layers a reusing token skips. Exiting every other token at
+    layer 0, decoding must match a cache that never reuses a cell (swa_full on: those rows hold zeros)."""
+    prompt = swa_model.tokenize(TINY_PROMPT)
+    continuation = greedy(Context(swa_model, n_ctx=512), prompt, 300)
+
+    def run(swa_full: bool) -> np.ndarray:
+        ctx = Context(swa_model, n_ctx=512, n_batch=64, swa_full=swa_full)
+        ctx.enable_early_exit(4, mode)
+        return forced_exit_run(ctx, prompt, continuation, exit_layer=0)
+
+    reusing, fresh = run(swa_full=False), run(swa_full=True)
+    # the same cells in another order: only the order of the attention sums differs
+    np.testing.assert_allclose(reusing, fresh, rtol=1e-4, atol=1e-5)
+    # the comparison can fail: the exits changed what later tokens see
+    never_exited = teacher_forced(Context(swa_model, n_ctx=512, n_batch=64, swa_full=False), prompt, continuation)
+    assert not np.allclose(reusing[1::2], never_exited[1::2], atol=1e-3)
+
+
+def test_the_window_cache_reuses_cells_without_swa_full(swa_model):
+    """What the test above relies on: without swa_full the window cache drops positions behind the window."""
+    prompt = swa_model.tokenize(TINY_PROMPT)
+    for swa_full, first_kept in ((False, lambda p: p > 0), (True, lambda p: p == 0)):
+        ctx = Context(swa_model, n_ctx=512, n_batch=64, swa_full=swa_full)
+        greedy(ctx, prompt, 300)
+        assert first_kept(llama_c.llama_memory_seq_pos_min(ctx._mem, 0))
+
+
+def test_depth_is_kept_in_both_caches_through_seq_rm_clear_and_state_save(swa_model):
+    ctx = Context(swa_model, n_ctx=128)
+    ctx.enable_early_exit(4, "mask")
+    ctx.set_probe_layers([1])
+    ctx.decode(swa_model.tokenize(TINY_PROMPT))
+    p = ctx.n_past
+    ctx.set_candidates(top_k(ctx.logits(), 4))
+    ctx.set_probe_callback(lambda il, z: True)
+    token = int(np.argmax(ctx.logits()))
+    assert ctx.decode([token]) == 1
+    assert ctx.cell_depth(p) == 1
+    assert llama_c.llama_state_get_size(ctx._ctx) == 0  # a shallow cell cannot be saved (0006, both caches)
+
+    ctx.truncate(p)  # both caches free the cell; a full-depth token takes position p again
+    assert ctx.cell_depth(p) == -1
+    ctx.set_probe_callback(None)
+    ctx.decode([token])
+    assert ctx.cell_depth(p) == swa_model.info.n_layer - 1
+    assert llama_c.llama_state_get_size(ctx._ctx) > 0
+
+    ctx.clear()
+    assert ctx.cell_depth(p) == -1 and ctx.n_past == 0
+
+
+def test_a_gguf_without_a_chat_template_gets_its_registry_entry_s(tiny_dir, tmp_path, monkeypatch):
+    path = supported_model_path(tiny_dir, WINDOW, chat_template=False)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}]
+    engine = Engine(path, pack=None, config=EngineConfig(n_ctx=128, n_threads=2))
+    with pytest.raises(SpecEEError, match="has no chat template: pass --chat-template .*gemma"):
+        engine.format_chat(messages)
+
+    registry = tmp_path / "registry.json"
+    registry.write_text(json.dumps({"models": {"tiny-gemma": {
+        "description": "tiny", "arch": "gemma3", "n_layer": 4, "license": "none", "size_bytes": path.stat().st_size,
+        "sha256": "0" * 64, "filename": path.name, "chat_template": "gemma", "chat_template_notes": "",
+        "source": {"kind": "pypi-wheel", "package": "tiny", "version": "0", "path": "tiny/x.gguf"}}}}))
+    monkeypatch.setenv(REGISTRY_ENV, str(registry))
+    assert entry_for_file(path).chat_template == "gemma"
+    engine = Engine(path, pack=None, config=EngineConfig(n_ctx=128, n_threads=2))
+    assert engine.chat_template == GEMMA_CHAT_TEMPLATE
+    text = engine.format_chat(messages)
+    assert text == "<start_of_turn>user\nBe brief.\n\nhello world<end_of_turn>\n<start_of_turn>model\n"
+    assert len(engine.chat(messages, max_tokens=4, sampling=GREEDY).tokens) >= 1
