@@ -30,7 +30,7 @@ class Shard:
     prompt: int            # index of the prompt in the prompt set (answers to one prompt share a split)
     tokens: np.ndarray     # int32 [n_tokens]: prompt then answer
     start: int             # the last prompt position: the first whose next token is generated
-    hidden: np.ndarray     # float16 [n_tokens - start, n_layer, n_embd]
+    hidden: np.ndarray     # float16 [n_tokens - start, n_layer, n_embd], each vector over its RMS
     final_top1: np.ndarray  # int32 [n_tokens - start - 1]: the runtime's argmax at positions start .. len-2
 
     def save(self, path: Path) -> None:
@@ -69,8 +69,14 @@ class Collector:
         self.ctx.set_capture_layers(list(range(self.n_layer)))
 
     def _captured(self) -> np.ndarray:
-        """[n_rows, n_layer, n_embd] of the last decode."""
-        return np.stack([self.ctx.captured(il) for il in range(self.n_layer)], axis=1).astype(np.float16)
+        """[n_rows, n_layer, n_embd] of the last decode, each vector divided by its RMS.
+
+        Everything downstream reads a hidden state through an RMS norm (the logit lens, the probes, the
+        draft), which the scale does not change; and gemma's residual stream outgrows float16 (65,504).
+        """
+        h = np.stack([self.ctx.captured(il) for il in range(self.n_layer)], axis=1)
+        rms = np.sqrt(np.mean(np.square(h, dtype=np.float64), axis=-1, keepdims=True))
+        return (h / np.maximum(rms, np.finfo(np.float32).tiny)).astype(np.float16)
 
     def answer(self, index: int, prompt: Prompt, sampling: SamplingParams) -> Shard:
         engine, ctx = self.engine, self.ctx

@@ -22,7 +22,7 @@ class Dataset:
     prompt: np.ndarray        # int32 [N]: which prompt the row answers (the splits are by prompt)
     answer: np.ndarray        # int32 [N]: which answer (shard) the row belongs to
     token: np.ndarray         # int32 [N]: y_s
-    hidden: np.ndarray        # float16 [N, n_layer, n_embd]: h_s
+    hidden: np.ndarray        # float16 [N, n_layer, n_embd]: h_s over its RMS (see collect)
     prev_final: np.ndarray    # float16 [N, n_embd]: h_{s-1} at the last layer
     prev_exit: np.ndarray     # float16 [N, n_embd]: h_{s-1} at its oracle exit layer (the last for a prompt position)
     top1: np.ndarray          # int32 [N, n_layer]: logit-lens top-1 of h_s at each layer; the last is the runtime's
