@@ -15,10 +15,13 @@ from llama_cpp import Llama
 from llama_cpp import llama_cpp as llama_c
 
 from specee_edge.chat_templates import GEMMA_CHAT_TEMPLATE
+from specee_edge.draft import LinearDraft
 from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.errors import SpecEEError
+from specee_edge.pack.format import DraftHead
 from specee_edge.registry import REGISTRY_ENV, entry_for_file
 from specee_edge.runtime import Context, Model
+from specee_edge.runtime.weights import TargetWeights
 from tests.conftest import supported_model_path
 from tests.test_runtime import TINY_PROMPT, forced_exit_run, greedy, teacher_forced, top_k
 
@@ -125,3 +128,29 @@ def test_a_gguf_without_a_chat_template_gets_its_registry_entry_s(tiny_dir, tmp_
     assert len(engine.chat(messages, max_tokens=4, sampling=GREEDY).tokens) >= 1
     # a base model: bench and calibration give it their prompts as plain text, not as a chat turn
     assert engine.format_prompt("hello world") == "hello world\n\n"
+
+
+def test_in_graph_draft_reads_the_unscaled_embedding_and_the_last_hidden_state(swa_model):
+    """gemma3 scales its input embedding by sqrt(n_embd) for layer 0; the draft head in the graph reads
+    it unscaled, as LinearDraft (and calibration) computes it: an F32 head gives the same candidates."""
+    rng = np.random.default_rng(0)
+    n_embd, n_vocab, last = swa_model.info.n_embd, swa_model.info.n_vocab, swa_model.info.n_layer - 1
+    vocab_map = rng.permutation(n_vocab)[:64]
+    tensors = {"fc.weight": rng.standard_normal((n_embd, 2 * n_embd)).astype(np.float32),
+               "fc.bias": rng.standard_normal(n_embd).astype(np.float32),
+               "head.weight": rng.standard_normal((len(vocab_map), n_embd)).astype(np.float32),
+               "norm.weight": np.ones(n_embd, np.float32), "norm.eps": np.array([1e-6], np.float32)}
+    draft = LinearDraft(DraftHead("linear", tensors, vocab_map), TargetWeights(swa_model.info.path), 4)
+    ctx = Context(swa_model, n_ctx=128)
+    ctx.enable_early_exit(4, "fill")
+    ctx.set_draft(w_embd=draft.w_embd, w_hidden=draft.w_hidden, bias=draft.bias, norm=draft.gamma, eps=draft.eps,
+                  head=draft.head, vocab_map=draft.vocab_map, quant=draft.quant)
+    ctx.set_probe_callback(lambda il, z: False)
+    ctx.set_probe_layers([1])
+    ctx.set_capture_layers([last])
+    ctx.decode(swa_model.tokenize(TINY_PROMPT))
+    hidden, token = ctx.captured(last)[-1], int(np.argmax(ctx.logits()))
+    for _ in range(24):  # across the window
+        ctx.decode([token])
+        assert list(ctx.step_info().candidates) == draft.propose(token, hidden).tolist()
+        hidden, token = ctx.captured(last)[-1], int(np.argmax(ctx.logits()))
