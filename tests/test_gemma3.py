@@ -11,7 +11,6 @@ import json
 
 import numpy as np
 import pytest
-from llama_cpp import Llama
 from llama_cpp import llama_cpp as llama_c
 
 from specee_edge.chat_templates import GEMMA_CHAT_TEMPLATE
@@ -23,7 +22,7 @@ from specee_edge.registry import REGISTRY_ENV, entry_for_file
 from specee_edge.runtime import Context, Model
 from specee_edge.runtime.weights import TargetWeights
 from tests.conftest import supported_model_path
-from tests.test_runtime import TINY_PROMPT, forced_exit_run, greedy, teacher_forced, top_k
+from tests.test_runtime import TINY_PROMPT, assert_hooks_off_match_stock, forced_exit_run, greedy, teacher_forced, top_k
 
 WINDOW = "gemma3-swa"
 
@@ -34,22 +33,7 @@ def swa_model(tiny_dir) -> Model:
 
 
 def test_hooks_off_match_stock_llama_across_the_window(swa_model):
-    prompt = swa_model.tokenize(TINY_PROMPT)
-    llm = Llama(model_path=str(swa_model.info.path), n_ctx=128, n_threads=2, verbose=False)
-    stock = []
-    for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-        stock.append(token)
-        if len(stock) == 40:  # well past the window of 8
-            break
-
-    assert greedy(Context(swa_model, n_ctx=128), prompt, 40) == stock
-    probing = Context(swa_model, n_ctx=128)
-    probing.enable_early_exit(4, "mask")
-    probing.set_probe_layers(range(swa_model.info.n_layer - 1))
-    calls = []
-    probing.set_probe_callback(lambda il, z: calls.append(il) or False)
-    assert greedy(probing, prompt, 40) == stock
-    assert len(calls) == 40 * (swa_model.info.n_layer - 1)
+    assert_hooks_off_match_stock(swa_model, swa_model.tokenize(TINY_PROMPT), 40, n_ctx=128)  # 40: well past the window
 
 
 @pytest.mark.parametrize("mode", ["mask", "fill"])

@@ -48,26 +48,29 @@ def top_k(logits: np.ndarray, k: int) -> list[int]:
 # --- hooks off / never stopping ------------------------------------------------------------
 
 
-def test_hooks_off_matches_stock_llama(default_model):
+def assert_hooks_off_match_stock(model: Model, prompt: list[int], n: int, n_ctx: int) -> None:
     """Our context, with and without early exit enabled (never stopping), decodes exactly like stock Llama."""
-    prompt = default_model.tokenize(CHAT_PROMPT)
-    llm = Llama(model_path=str(default_model.info.path), n_ctx=512, n_threads=2, verbose=False)
+    llm = Llama(model_path=str(model.info.path), n_ctx=n_ctx, n_threads=2, verbose=False)
     stock = []
     for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
         stock.append(token)
-        if len(stock) == 64:
+        if len(stock) == n:
             break
 
-    plain = Context(default_model, n_ctx=512)
-    assert greedy(plain, prompt, 64) == stock
+    plain = Context(model, n_ctx=n_ctx)
+    assert greedy(plain, prompt, n) == stock
 
-    probing = early_exit_context(default_model, "mask", n_ctx=512)
-    probing.set_probe_layers(range(default_model.info.n_layer - 1))
+    probing = early_exit_context(model, "mask", n_ctx=n_ctx)
+    probing.set_probe_layers(range(model.info.n_layer - 1))
     calls = []
     probing.set_probe_callback(lambda il, z: calls.append(il) or False)
-    assert greedy(probing, prompt, 64) == stock
+    assert greedy(probing, prompt, n) == stock
     # prompt processing never probes; each generated token probes every layer but the last
-    assert len(calls) == 64 * (default_model.info.n_layer - 1)
+    assert len(calls) == n * (model.info.n_layer - 1)
+
+
+def test_hooks_off_matches_stock_llama(default_model):
+    assert_hooks_off_match_stock(default_model, default_model.tokenize(CHAT_PROMPT), 64, n_ctx=512)
 
 
 def test_prompt_processing_never_stops(default_model):
