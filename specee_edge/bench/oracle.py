@@ -17,7 +17,7 @@ from threadpoolctl import threadpool_limits
 
 from specee_edge.bench.runner import Timing
 from specee_edge.runtime import Context, Model
-from specee_edge.runtime.weights import TargetWeights, lens_top1
+from specee_edge.runtime.weights import TargetWeights, lens_top1, rms_scaled_f16
 
 STOP_FRACTIONS = (0.25, 0.5, 0.75)  # forced stops at these shares of the depth, plus full depth
 
@@ -111,7 +111,7 @@ def oracle_depths(model: Model, weights: TargetWeights, prompts: Sequence[Sequen
         ctx.clear()
         ctx.decode([*prompt, *output[:-1]], output_all=True)
         # rows from len(prompt) on feed output[j] and predict output[j + 1]: the decode steps
-        hidden.append(np.stack([ctx.captured(il)[len(prompt):] for il in range(n_layer)], axis=1).astype(np.float16))
+        hidden.append(rms_scaled_f16(np.stack([ctx.captured(il)[len(prompt):] for il in range(n_layer)], axis=1)))
         advance((len(output) - 1) / 2)
     ctx.close()
     if not hidden:

@@ -19,6 +19,7 @@ import numpy as np
 from specee_edge.data.prompts import Prompt
 from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.engine.sampling import SamplingParams, sample
+from specee_edge.runtime.weights import rms_scaled_f16
 
 SAMPLED = SamplingParams(temperature=0.8)  # rounds after the first: llama.cpp's default sampler
 
@@ -69,14 +70,8 @@ class Collector:
         self.ctx.set_capture_layers(list(range(self.n_layer)))
 
     def _captured(self) -> np.ndarray:
-        """[n_rows, n_layer, n_embd] of the last decode, each vector divided by its RMS.
-
-        Everything downstream reads a hidden state through an RMS norm (the logit lens, the probes, the
-        draft), which the scale does not change; and gemma's residual stream outgrows float16 (65,504).
-        """
-        h = np.stack([self.ctx.captured(il) for il in range(self.n_layer)], axis=1)
-        rms = np.sqrt(np.mean(np.square(h, dtype=np.float64), axis=-1, keepdims=True))
-        return (h / np.maximum(rms, np.finfo(np.float32).tiny)).astype(np.float16)
+        """[n_rows, n_layer, n_embd] of the last decode, as stored (`rms_scaled_f16`)."""
+        return rms_scaled_f16(np.stack([self.ctx.captured(il) for il in range(self.n_layer)], axis=1))
 
     def answer(self, index: int, prompt: Prompt, sampling: SamplingParams) -> Shard:
         engine, ctx = self.engine, self.ctx

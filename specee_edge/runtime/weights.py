@@ -74,6 +74,17 @@ class TargetWeights:
         return (self.softcap * np.tanh(logits / self.softcap)).astype(np.float32)
 
 
+def rms_scaled_f16(hidden: np.ndarray) -> np.ndarray:
+    """Hidden states for storage: each vector divided by its RMS, in float16.
+
+    What an RMS norm reads of a vector does not depend on its scale, and everything that reads stored
+    hidden states goes through one (the logit lens, the probes, the draft); gemma's residual stream
+    holds values past float16's 65,504, which would overflow unscaled.
+    """
+    rms = np.sqrt(np.mean(np.square(hidden, dtype=np.float64), axis=-1, keepdims=True))
+    return (hidden / np.maximum(rms, np.finfo(np.float32).tiny)).astype(np.float16)
+
+
 def final_norm(hidden: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
     h = np.asarray(hidden, dtype=np.float32)
     return h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * gamma
