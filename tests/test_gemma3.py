@@ -90,6 +90,31 @@ def test_depth_is_kept_in_both_caches_through_seq_rm_clear_and_state_save(swa_mo
     assert ctx.cell_depth(p) == -1 and ctx.n_past == 0
 
 
+def test_depth_moves_with_its_cell_through_a_context_shift(swa_model):
+    """llama.cpp's context shift (drop positions [1, 1 + n), move the rest n back): the exited token's
+    depth follows it to its new position in both caches, and decoding goes on."""
+    ctx = Context(swa_model, n_ctx=128)
+    ctx.enable_early_exit(4, "mask")
+    ctx.set_probe_layers([1])
+    ctx.decode(swa_model.tokenize(TINY_PROMPT))
+    p = ctx.n_past
+    ctx.set_candidates(top_k(ctx.logits(), 4))
+    ctx.set_probe_callback(lambda il, z: True)
+    assert ctx.decode([int(np.argmax(ctx.logits()))]) == 1
+    ctx.set_probe_callback(None)
+    greedy(ctx, [int(np.argmax(ctx.logits()))], 3)  # four full-depth tokens after it: positions p+1 .. p+4
+
+    n = 3
+    assert llama_c.llama_memory_can_shift(ctx._mem)
+    assert llama_c.llama_memory_seq_rm(ctx._mem, 0, 1, 1 + n)
+    llama_c.llama_memory_seq_add(ctx._mem, 0, 1 + n, -1, -n)
+    full = swa_model.info.n_layer - 1
+    assert ctx.cell_depth(p - n) == 1  # the exited token, n positions back
+    assert [ctx.cell_depth(q) for q in range(p - n + 1, p + 2)] == [full] * 4
+    assert ctx.cell_depth(p + 4) == -1
+    ctx.decode([int(np.argmax(ctx.logits()))])  # the shifted cache decodes on (K re-RoPE'd in both caches)
+
+
 def test_a_gguf_without_a_chat_template_gets_its_registry_entry_s(tiny_dir, tmp_path, monkeypatch):
     """A chat turn in the template the registry names; for a base model, bench and calibrate prompt plainly."""
     path = supported_model_path(tiny_dir, WINDOW, chat_template=False)
