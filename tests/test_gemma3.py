@@ -66,22 +66,28 @@ def test_the_window_cache_reuses_cells_without_swa_full(swa_model):
         assert first_kept(llama_c.llama_memory_seq_pos_min(ctx._mem, 0))
 
 
-def test_depth_is_kept_in_both_caches_through_seq_rm_clear_and_state_save(swa_model):
-    ctx = Context(swa_model, n_ctx=128)
+def exited_at_layer_1(model: Model) -> tuple[Context, int, int]:
+    """A mask-mode context whose last token (at position p) stopped after layer 1: (ctx, p, token)."""
+    ctx = Context(model, n_ctx=128)
     ctx.enable_early_exit(4, "mask")
     ctx.set_probe_layers([1])
-    ctx.decode(swa_model.tokenize(TINY_PROMPT))
+    ctx.decode(model.tokenize(TINY_PROMPT))
     p = ctx.n_past
     ctx.set_candidates(top_k(ctx.logits(), 4))
     ctx.set_probe_callback(lambda il, z: True)
     token = int(np.argmax(ctx.logits()))
     assert ctx.decode([token]) == 1
+    ctx.set_probe_callback(None)
+    return ctx, p, token
+
+
+def test_depth_is_kept_in_both_caches_through_seq_rm_clear_and_state_save(swa_model):
+    ctx, p, token = exited_at_layer_1(swa_model)
     assert ctx.cell_depth(p) == 1
     assert llama_c.llama_state_get_size(ctx._ctx) == 0  # a shallow cell cannot be saved (0006, both caches)
 
     ctx.truncate(p)  # both caches free the cell; a full-depth token takes position p again
     assert ctx.cell_depth(p) == -1
-    ctx.set_probe_callback(None)
     ctx.decode([token])
     assert ctx.cell_depth(p) == swa_model.info.n_layer - 1
     assert llama_c.llama_state_get_size(ctx._ctx) > 0
@@ -93,15 +99,7 @@ def test_depth_is_kept_in_both_caches_through_seq_rm_clear_and_state_save(swa_mo
 def test_depth_moves_with_its_cell_through_a_context_shift(swa_model):
     """llama.cpp's context shift (drop positions [1, 1 + n), move the rest n back): the exited token's
     depth follows it to its new position in both caches, and decoding goes on."""
-    ctx = Context(swa_model, n_ctx=128)
-    ctx.enable_early_exit(4, "mask")
-    ctx.set_probe_layers([1])
-    ctx.decode(swa_model.tokenize(TINY_PROMPT))
-    p = ctx.n_past
-    ctx.set_candidates(top_k(ctx.logits(), 4))
-    ctx.set_probe_callback(lambda il, z: True)
-    assert ctx.decode([int(np.argmax(ctx.logits()))]) == 1
-    ctx.set_probe_callback(None)
+    ctx, p, _ = exited_at_layer_1(swa_model)
     greedy(ctx, [int(np.argmax(ctx.logits()))], 3)  # four full-depth tokens after it: positions p+1 .. p+4
 
     n = 3
