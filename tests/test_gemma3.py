@@ -8,6 +8,10 @@ run on them too (tests/test_runtime.py); these are the ones only a sliding windo
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,28 +117,47 @@ def test_depth_moves_with_its_cell_through_a_context_shift(swa_model):
     ctx.decode([int(np.argmax(ctx.logits()))])  # the shifted cache decodes on (K re-RoPE'd in both caches)
 
 
-def test_a_gguf_without_a_chat_template_gets_its_registry_entry_s(tiny_dir, tmp_path, monkeypatch):
-    """A chat turn in the template the registry names; for a base model, bench and calibrate prompt plainly."""
+@pytest.fixture
+def base_model_entry(tiny_dir, tmp_path, monkeypatch) -> Path:
+    """A tiny gemma3 without a chat template, which the registry ($SPECEE_REGISTRY) knows as a base model
+    whose template is gemma, as the shipped registry knows gemma-3-270m."""
     path = supported_model_path(tiny_dir, WINDOW, chat_template=False)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}]
-    engine = Engine(path, pack=None, config=EngineConfig(n_ctx=128, n_threads=2))
-    with pytest.raises(SpecEEError, match="has no chat template: pass --chat-template .*gemma"):
-        engine.format_chat(messages)
-
     registry = tmp_path / "registry.json"
     registry.write_text(json.dumps({"models": {"tiny-gemma": {
         "description": "tiny", "arch": "gemma3", "n_layer": 4, "license": "none", "size_bytes": path.stat().st_size,
-        "sha256": "0" * 64, "filename": path.name, "chat_template": "gemma", "prompting": "completion", "chat_template_notes": "",
-        "source": {"kind": "pypi-wheel", "package": "tiny", "version": "0", "path": "tiny/x.gguf"}}}}))
+        "sha256": "0" * 64, "filename": path.name, "chat_template": "gemma", "prompting": "completion",
+        "chat_template_notes": "", "source": {"kind": "pypi-wheel", "package": "tiny", "version": "0", "path": "tiny/x.gguf"}}}}))
     monkeypatch.setenv(REGISTRY_ENV, str(registry))
-    assert entry_for_file(path).chat_template == "gemma"
-    engine = Engine(path, pack=None, config=EngineConfig(n_ctx=128, n_threads=2))
+    return path
+
+
+def test_a_gguf_without_a_chat_template_gets_its_registry_entry_s(base_model_entry, monkeypatch):
+    """A chat turn in the template the registry names; for a base model, bench and calibrate prompt plainly."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}]
+    registry = os.environ[REGISTRY_ENV]
+    monkeypatch.delenv(REGISTRY_ENV)  # the shipped registry does not know the file
+    engine = Engine(base_model_entry, pack=None, config=EngineConfig(n_ctx=128, n_threads=2))
+    with pytest.raises(SpecEEError, match="has no chat template: pass --chat-template .*gemma"):
+        engine.format_chat(messages)
+    assert engine.prompting == "chat"
+
+    monkeypatch.setenv(REGISTRY_ENV, registry)
+    assert entry_for_file(base_model_entry).chat_template == "gemma"
+    engine = Engine(base_model_entry, pack=None, config=EngineConfig(n_ctx=128, n_threads=2))
     assert engine.chat_template == GEMMA_CHAT_TEMPLATE
     text = engine.format_chat(messages)
     assert text == "<start_of_turn>user\nBe brief.\n\nhello world<end_of_turn>\n<start_of_turn>model\n"
     assert len(engine.chat(messages, max_tokens=4, sampling=GREEDY).tokens) >= 1
     # a base model: bench and calibration give it their prompts as plain text, not as a chat turn
     assert engine.format_prompt("hello world") == "hello world\n\n"
+
+
+def test_chat_says_a_base_model_continues_text(base_model_entry, tmp_path):
+    env = dict(os.environ, COLUMNS="200", SPECEE_CACHE=str(tmp_path))
+    result = subprocess.run([str(Path(sys.executable).with_name("specee-edge")), "chat", str(base_model_entry), "-n", "4"],
+                            input="hello world\n/exit\n", capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"{base_model_entry.name} is a base model, not instruction-tuned" in result.stdout
 
 
 def test_in_graph_draft_reads_the_unscaled_embedding_and_the_last_hidden_state(swa_model):

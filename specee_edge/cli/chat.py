@@ -203,6 +203,9 @@ def _banner(engine: Engine, notice: str | None) -> None:
     console.print(f"specee-edge chat · {info.path.name} ({info.arch}, {info.n_layer} layers{pack}) · {state}", **line)
     if notice:
         console.print(notice, style="yellow", **line)
+    if engine.prompting == "completion":
+        console.print(f"{info.path.name} is a base model, not instruction-tuned: it continues text rather than"
+                      " answering (specee-edge generate --raw suits it)", style="yellow", **line)
     console.print('/help for commands, """ for multi-line input, Ctrl+C stops a reply, Ctrl+D quits', style="dim", **line)
 
 
