@@ -23,7 +23,10 @@ GEMMA_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
 
-NAMED_TEMPLATES = ("chatml", "llama3", "mistral", "mistral-instruct", "gemma")
+# the names llama-cpp-python's own templates go by, and the attribute of llama_chat_format holding each
+_LLAMA_CPP_TEMPLATES = {"chatml": "CHATML_CHAT_TEMPLATE", "llama3": "LLAMA3_INSTRUCT_CHAT_TEMPLATE",
+                        "mistral": "MISTRAL_INSTRUCT_CHAT_TEMPLATE", "mistral-instruct": "MISTRAL_INSTRUCT_CHAT_TEMPLATE"}
+NAMED_TEMPLATES = (*_LLAMA_CPP_TEMPLATES, "gemma")
 
 
 def named_template(name: str) -> str:
@@ -31,11 +34,9 @@ def named_template(name: str) -> str:
     if name == "gemma":
         return GEMMA_CHAT_TEMPLATE
     # imported only here: `info` and `convert` run without llama_cpp
-    from llama_cpp import llama_chat_format as formats
+    from llama_cpp import llama_chat_format
 
-    named = {"chatml": formats.CHATML_CHAT_TEMPLATE, "llama3": formats.LLAMA3_INSTRUCT_CHAT_TEMPLATE,
-             "mistral": formats.MISTRAL_INSTRUCT_CHAT_TEMPLATE, "mistral-instruct": formats.MISTRAL_INSTRUCT_CHAT_TEMPLATE}
-    return named[name]
+    return getattr(llama_chat_format, _LLAMA_CPP_TEMPLATES[name])
 
 
 def template_text(value: str) -> str:

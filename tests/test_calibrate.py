@@ -56,8 +56,7 @@ def test_calibrate_tiny_model_end_to_end(tiny_run):
     assert report.nll_temperature <= report.nll_raw + 1e-6
 
 
-def test_every_level_of_a_calibrated_pack_decodes(tiny_run):
-    config, _ = tiny_run
+def assert_every_level_decodes(config: CalibrateConfig) -> None:
     engine = Engine(config.model, pack=config.output, config=EngineConfig(n_ctx=256, n_threads=2))
     try:
         for quality in config.levels:
@@ -70,12 +69,16 @@ def test_every_level_of_a_calibrated_pack_decodes(tiny_run):
         engine.close()
 
 
+def test_every_level_of_a_calibrated_pack_decodes(tiny_run):
+    assert_every_level_decodes(tiny_run[0])
+
+
 def test_calibrate_a_sliding_window_model_with_soft_capped_logits(tmp_path, tiny_dir):
     """gemma3 end to end: features from soft-capped candidate logits, a pack every level of which decodes."""
     config, report = calibrate_tiny(tmp_path, supported_model_path(tiny_dir, "gemma3-swa", n_layer=6))
     pack = read_pack(config.output)
     assert pack.target.arch == "gemma3" and pack.predictors and report.tokens > 0
-    test_every_level_of_a_calibrated_pack_decodes((config, report))
+    assert_every_level_decodes(config)
 
 
 def test_calibrate_resumes_from_its_work_dir(tiny_run):
