@@ -1,6 +1,6 @@
 """The architectures early exit runs on, and what specee-edge must know of each, in one place.
 
-The runtime's half of the same table is SPECEE_ARCHS in patches/0009 (llama-specee.cpp). Every one
+The runtime's half of the same table is SPECEE_ARCHS in patches/src/llama-specee.cpp. Every one
 of them ends in final_norm (RMS) -> LM head; they differ in what is listed here.
 """
 

@@ -1,10 +1,12 @@
 """Build and install the patched llama-cpp-python runtime into this environment.
 
-The stock llama-cpp-python sdist is downloaded once, every ``patches/*.patch``
-is applied (in sorted order) to its vendored llama.cpp, and the resulting
-wheel is built and installed with ``pip``. Wheels are cached under a key that
-covers the version, the patches, the CMake flags, the Python tag, the
-machine and its CPU's instruction sets, so rebuilding only happens when one of those changes.
+The stock llama-cpp-python sdist is downloaded once, our early-exit sources
+(``patches/src``, whole files) are copied into its vendored llama.cpp, every
+``patches/*.patch`` (the hooks in llama.cpp's own files) is applied in sorted
+order, and the resulting wheel is built and installed with ``pip``. Wheels are
+cached under a key that covers the version, the sources, the patches, the CMake
+flags, the Python tag, the machine and its CPU's instruction sets, so rebuilding
+only happens when one of those changes.
 
 Environment:
     SPECEE_BACKEND     cpu (default), cuda or metal
@@ -46,6 +48,8 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 DIST_NAME = "llama-cpp-python"
 MARKER_NAME = "specee_build_key.txt"
 PATCH_DIR = Path(__file__).resolve().parent.parent / "patches"
+SOURCE_DIR = PATCH_DIR / "src"  # our own files, copied whole into llama.cpp's tree
+PUBLIC_HEADERS = ("llama-specee.h",)  # go to include/; every other source goes to src/
 BASE_CMAKE_FLAGS = (
     "-DLLAVA_BUILD=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
@@ -117,6 +121,22 @@ def patch_files() -> list[Path]:
     return sorted(PATCH_DIR.glob("*.patch"))
 
 
+def source_files() -> list[Path]:
+    """Return our whole source files, by name."""
+    return sorted(SOURCE_DIR.iterdir())
+
+
+def source_destination(name: str) -> str:
+    """The folder of llama.cpp's tree where our source ``name`` goes."""
+    return "include" if name in PUBLIC_HEADERS else "src"
+
+
+def copy_sources(llama_dir: Path) -> None:
+    """Copy our sources into ``llama_dir``; the patches then hook them into llama.cpp."""
+    for source in source_files():
+        shutil.copyfile(source, llama_dir / source_destination(source.name) / source.name)
+
+
 def compute_key(cmake_args: str, patches: list[Path]) -> str:
     """Hash everything that determines the built wheel into a cache key."""
     digest = hashlib.sha256()
@@ -127,6 +147,9 @@ def compute_key(cmake_args: str, patches: list[Path]) -> str:
         digest.update(data)
 
     add("version", LLAMA_CPP_PYTHON_VERSION.encode())
+    for source in source_files():
+        add("source-name", source.name.encode())
+        add("source-bytes", source.read_bytes())
     for patch in patches:
         add("patch-name", patch.name.encode())
         add("patch-bytes", patch.read_bytes())
@@ -395,6 +418,7 @@ def build(cache: Path, key: str, cmake_args: str, patches: list[Path], force: bo
     sdist = fetch_sdist(cache / "sdist")
     source = extract_sdist(sdist, source_root)
     try:
+        copy_sources(source / "vendor" / "llama.cpp")
         apply_patches(source / "vendor" / "llama.cpp", patches)
     except BaseException:
         shutil.rmtree(source_root, ignore_errors=True)

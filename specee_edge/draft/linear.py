@@ -8,7 +8,7 @@ The draft vocabulary is the most frequent tokens of the calibration answers (voc
 target ids): scoring it costs a fraction of the full LM head.
 
 With prompt lookup (draft.lookup), the lookup's token takes the first slot and the draft fills the
-others with its best tokens but that one: `merged_top_k` is what the graph computes (patch 0007).
+others with its best tokens but that one: `merged_top_k` is what the graph computes (patches/0007).
 """
 
 from __future__ import annotations
