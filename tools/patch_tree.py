@@ -82,7 +82,7 @@ def export(tree: Path) -> None:
     for sha, name in subjects[base + 1:]:
         body = git(tree, "log", "-1", "--format=%b", sha, capture=True).strip()
         header = "".join(f"# {line}".rstrip() + "\n" for line in body.splitlines())
-        diff = git(tree, "diff-tree", "-p", "--no-commit-id", "--full-index", f"{sha}~1", sha, capture=True)
+        diff = git(tree, "diff-tree", "-p", "--no-commit-id", f"{sha}~1", sha, capture=True)
         ours = [line for line in diff.splitlines() if line.startswith("diff --git")
                 and line.split()[-1].removeprefix("b/") in own]
         if ours:
