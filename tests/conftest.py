@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from specee_edge.default_model import default_model_path
+from specee_edge.exits import ExitKind
 from specee_edge.pack import read_pack, write_pack
+from specee_edge.pack.format import LayerExit
 from specee_edge.runtime import Model
 from specee_edge.shipped import shipped_dir
 from tests.tiny_gguf import TinyConfig, write_tiny_model
@@ -56,7 +58,7 @@ def supported_model_path(tiny_dir: Path, variant: str, **overrides) -> Path:
 def exiting_quality(pack_path: Path = SHIPPED_PACK) -> float:
     """The highest quality level of a pack with a layer on (a default level may turn every layer off)."""
     return max(level.quality for level in read_pack(pack_path).levels
-               if any(t < 1.0 for t in level.thresholds.values()))
+               if level.on_layers)
 
 
 def write_two_level_pack(path: Path) -> Path:
@@ -64,7 +66,7 @@ def write_two_level_pack(path: Path) -> Path:
     exit) and STRICT, the default (the shipped default level's thresholds), and temperatures of 1.2."""
     pack = read_pack(SHIPPED_PACK)
     strict = dataclasses.replace(pack.level(), quality=STRICT)
-    loose = dataclasses.replace(pack.levels[0], quality=LOOSE, thresholds=dict.fromkeys(strict.thresholds, 0.3),
+    loose = dataclasses.replace(pack.levels[0], quality=LOOSE, exits=dict.fromkeys(strict.exits, LayerExit(ExitKind.VERIFIED, 0.3)),
                                 exit_rate=0.2, agreement=0.93)  # the loosest level's offline layers: checked from the start
     write_pack(path, dataclasses.replace(pack, levels=[loose, strict], default_quality=STRICT,
                                          temperatures=dict.fromkeys(pack.predictors, 1.2)))

@@ -63,7 +63,8 @@ from specee_edge.engine import AUTO, GREEDY, Engine, EngineConfig, SamplingParam
 from specee_edge.engine.exit import find_pack
 from specee_edge.errors import ContextFullError, SpecEEError
 from specee_edge.pack import read_pack, write_pack
-from specee_edge.pack.format import Schedule
+from specee_edge.exits import ExitKind
+from specee_edge.pack.format import LayerExit, Schedule
 from specee_edge.runtime import Context, Model
 
 KV_MODES = ("mask", "fill", "full")
@@ -108,7 +109,8 @@ def write_multilayer_pack(model_path: Path, out: Path) -> Path:
     mlp = pack.predictors[source]
     multi = dataclasses.replace(
         pack, predictors={il: mlp for il in MULTI_LAYERS}, temperatures={},
-        levels=[dataclasses.replace(level, thresholds={il: threshold for il in MULTI_LAYERS}, offline=list(MULTI_OFFLINE))],
+        levels=[dataclasses.replace(level, exits={il: LayerExit(ExitKind.VERIFIED, threshold) for il in MULTI_LAYERS},
+                                    offline=list(MULTI_OFFLINE))],
         default_quality=level.quality,
         schedule=Schedule(offline=list(MULTI_OFFLINE), window=pack.schedule.window, offsets=[-2, 0, 2]),
         provenance={"made_by": "tests/fuzz_engine.py", "predictor": f"layer {source} of the shipped pack"})

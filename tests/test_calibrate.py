@@ -14,8 +14,9 @@ from specee_edge.data.prompts import bench_prompts, load_prompts, split
 from specee_edge.cli import app
 from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.errors import SpecEEError
+from specee_edge.exits import ExitKind
 from specee_edge.pack import read_pack, target_identity
-from specee_edge.predictor.features import probe_features
+from specee_edge.predictor.rule import probe_features
 from tests.conftest import supported_model_path, tiny_model_path
 
 PROMPTS = ["hello world", "the quick brown fox", "what is the capital of France?", "one, two, three",
@@ -44,15 +45,20 @@ def test_calibrate_tiny_model_end_to_end(tiny_run):
     stored = pack.provenance["report"]
     assert stored["tokens"] == report.tokens > 0
     assert 0.0 <= report.draft.recall_at_1 <= report.draft.recall_at_k <= 1.0
-    assert report.oracle_layer_speedup >= 1.0
     assert [level.quality for level in pack.levels] == list(config.levels)
-    assert pack.default_quality == config.quality
+    assert pack.default_quality in config.levels  # chosen by the floors (config.quality is None)
     assert set(pack.temperatures) == set(pack.predictors)
+    assert max(pack.predictors) == pack.target.n_layer - 1  # the last layer's predictor: the head skip
+    costs = pack.provenance["costs_ms"]
+    assert min(costs.values()) >= 0 and costs["fixed_ms"] + costs["head_ms"] > 0  # a tiny model's layers are noise
+    assert pack.provenance["kv_mode"] == "fill"
     for level, stats in zip(pack.levels, report.levels):
-        assert set(level.thresholds) == set(pack.predictors)  # every trained layer stays in the pack
+        assert set(level.exits) == set(pack.predictors)  # every trained layer stays in the pack
         assert set(level.offline) <= set(pack.predictors)
-        assert 0.0 <= stats.agreement <= 1.0 and 0.0 <= stats.exit_rate <= 1.0 and stats.layer_speedup >= 1.0
-    # the fitted temperatures lower the held-out cross-entropy against the full model
+        assert level.exits[pack.target.n_layer - 1].kind != ExitKind.VERIFIED
+        assert 0.0 <= stats.agreement <= 1.0 and 0.0 <= stats.exit_rate <= 1.0
+        assert level.off or (level.speedup >= 1.0 and level.steps > 0)  # what does not pay is turned off
+    # temperatures are kept only where they lower the held-out cross-entropy against the full model
     assert report.nll_temperature <= report.nll_raw + 1e-6
 
 

@@ -12,8 +12,9 @@ from specee_edge.draft import LinearDraft
 from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.engine.exit import find_pack
 from specee_edge.pack import read_pack, write_pack
-from specee_edge.predictor.features import probe_features
+from specee_edge.predictor.rule import probe_features
 from specee_edge.runtime import Context
+from specee_edge.pack.format import OFF
 from specee_edge.runtime.context import GraphInfo
 from specee_edge.runtime.weights import TargetWeights
 from tests.conftest import CHAT_PROMPT
@@ -94,7 +95,7 @@ def test_c_predictor_equals_the_numpy_mlp(default_model, pack):
     logits = rng.normal(0.0, 4.0, size=(200, pack.k)).astype(np.float32)
     prev = None
     for layer, mlp in pack.predictors.items():
-        ctx.set_predictor(layer, mlp.weights, mlp.biases, 0.5)
+        ctx.set_predictor(layer, mlp.weights, mlp.biases)
         for z in logits:
             features, prev = probe_features(z, prev)
             assert ctx.predictor_prob(layer, features) == pytest.approx(float(mlp(features)), abs=1e-5)
@@ -142,19 +143,19 @@ def test_regenerating_a_reply_with_a_loose_threshold(default_model):
 
 
 def test_graphs_hold_only_what_is_asked(default_model):
-    """Early exit off: stock graphs (no probe, no draft, no depth bias). On: the draft and a probe on
-    each layer that has a predictor. The depth bias only while a cached cell is shallow (mask mode
+    """Early exit off: stock graphs (no probe, no draft, no depth bias) computed without an eval
+    callback. On: the draft and a probe on each layer that has a predictor, and the callback. The depth bias only while a cached cell is shallow (mask mode
     after an exit), never in fill mode."""
     prompt = default_model.tokenize(CHAT_PROMPT)
     fill = Engine(default_model.info.path, config=EngineConfig(n_ctx=512, n_threads=2, kv_mode="fill", threshold=0.0))
     n_predictors = len(fill.policy.predictors)
     fill.set_early_exit(False)
     fill.generate(prompt, max_tokens=4, sampling=GREEDY)
-    assert fill.ctx.step_info().graph == GraphInfo(probes=0, draft=False, depth_mask=False)
+    assert fill.ctx.step_info().graph == GraphInfo(probes=0, draft=False, depth_mask=False, eval_callback=False)
     fill.set_early_exit(True)
     out = fill.generate(prompt, max_tokens=STEPS, sampling=GREEDY)
     assert out.stats.exits > 0
-    assert fill.ctx.step_info().graph == GraphInfo(probes=n_predictors, draft=True, depth_mask=False)
+    assert fill.ctx.step_info().graph == GraphInfo(probes=n_predictors, draft=True, depth_mask=False, eval_callback=True)
     fill.close()
 
     mask = Engine(default_model.info.path, config=EngineConfig(n_ctx=512, n_threads=2, kv_mode="mask", threshold=0.0))
@@ -165,15 +166,15 @@ def test_graphs_hold_only_what_is_asked(default_model):
     mask.reset()
     mask.set_early_exit(False)
     mask.generate(prompt, max_tokens=2, sampling=GREEDY)  # the shallow cells are gone
-    assert mask.ctx.step_info().graph == GraphInfo(probes=0, draft=False, depth_mask=False)
+    assert mask.ctx.step_info().graph == GraphInfo(probes=0, draft=False, depth_mask=False, eval_callback=False)
     mask.close()
 
 
 def test_a_level_that_turns_every_layer_off_decodes_plainly(default_model, tmp_path):
-    """Calibration turns a layer off at a level by giving it threshold 1; with every layer off the
+    """Calibration turns a layer off at a level (its exit NONE); with every layer off the
     engine takes the plain path: stock graphs, no draft, no probes, vanilla's tokens."""
     pack = read_pack(find_pack(default_model.info.path))
-    off = dataclasses.replace(pack.levels[0], quality=0.99, thresholds=dict.fromkeys(pack.predictors, 1.0), offline=[])
+    off = dataclasses.replace(pack.levels[0], quality=0.99, exits=dict.fromkeys(pack.predictors, OFF), offline=[])
     path = write_pack(tmp_path / "off.specee.gguf", dataclasses.replace(
         pack, levels=[pack.levels[0], off], default_quality=0.99), draft_quant=pack.draft.quant)
     prompt = default_model.tokenize(CHAT_PROMPT)
@@ -183,7 +184,7 @@ def test_a_level_that_turns_every_layer_off_decodes_plainly(default_model, tmp_p
     out = engine.generate(prompt, max_tokens=STEPS, sampling=GREEDY)
     assert out.tokens == vanilla.generate(prompt, max_tokens=STEPS, sampling=GREEDY).tokens
     assert out.stats.predictor_calls_per_token == 0 and out.stats.exits == 0
-    assert engine.ctx.step_info().graph == GraphInfo(probes=0, draft=False, depth_mask=False)
+    assert engine.ctx.step_info().graph == GraphInfo(probes=0, draft=False, depth_mask=False, eval_callback=False)
     engine.set_quality(pack.levels[0].quality)  # a level with layers on wakes it up
     assert not engine.policy.idle
     engine.close()

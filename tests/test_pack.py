@@ -17,13 +17,16 @@ import specee_edge.pack.io as pack_io
 from specee_edge.cli import app
 from specee_edge.default_model import default_model_path
 from specee_edge.errors import SpecEEError
+from specee_edge.exits import ExitKind
 from specee_edge.gguf_index import GGUFIndex
 from specee_edge.pack import (
+    OFF,
     DraftHead,
     Pack,
     PackError,
     PackLevelError,
     PackMismatchError,
+    LayerExit,
     QualityLevel,
     Schedule,
     check_target,
@@ -91,8 +94,10 @@ def sample_pack(target, *, draft: bool = True) -> Pack:
         if draft else None,
         provenance={"command": "test", "samples_per_layer": [10, 20, 30]},
         # values that float32 holds exactly, so a round trip compares equal
-        levels=[QualityLevel(0.9, {0: 0.625, 1: 0.5, 2: 1.0}, [1], 0.25, 0.9375, 1.25, 0.125),
-                QualityLevel(0.98, {0: 1.0, 1: 0.8125, 2: 1.0}, [], 0.125, 0.984375, 1.0625, 0.015625)],
+        levels=[QualityLevel(0.9, {0: LayerExit(ExitKind.VERIFIED, 0.625), 1: LayerExit(ExitKind.HEAD_FREE, 0.5), 2: OFF},
+                             [1], 0.25, 0.9375, 1.25, 0.125),
+                QualityLevel(0.98, {0: OFF, 1: LayerExit(ExitKind.VERIFIED, 0.8125), 2: OFF}, [], 0.125, 0.984375, 1.0625,
+                             0.015625)],
         default_quality=0.98,
         temperatures={0: 1.5, 1: 1.25, 2: 0.875},
     )
@@ -317,7 +322,7 @@ def test_inconsistent_levels_are_refused(tiny, tmp_path, monkeypatch):
     cases = {
         "must ascend": dict(levels=lambda p: p.levels[::-1]),
         "default quality": dict(default_quality=lambda p: 0.95),
-        "one per predictor layer": dict(levels=lambda p: [p.levels[0], dataclasses.replace(p.levels[1], thresholds={0: 0.5})]),
+        "one per predictor layer": dict(levels=lambda p: [p.levels[0], dataclasses.replace(p.levels[1], exits={0: LayerExit(ExitKind.VERIFIED, 0.5)})]),
         "temperatures": dict(temperatures=lambda p: {0: 0.0}),
     }
     for reason, change in cases.items():

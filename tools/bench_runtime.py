@@ -33,6 +33,7 @@ from rich.table import Table
 from specee_edge.default_model import default_model_path
 from specee_edge.draft import LinearDraft
 from specee_edge.engine.exit import find_pack
+from specee_edge.exits import ExitKind
 from specee_edge.pack import read_pack
 from specee_edge.runtime import KV_MODES, Context, Model
 from specee_edge.runtime.weights import TargetWeights
@@ -143,7 +144,8 @@ def build_variants(model: Model, threads: int, n_ctx: int) -> list[Variant]:
                       eps=draft.eps, head=draft.head, vocab_map=draft.vocab_map, quant=draft.quant)
         if native:
             for il in layers:
-                ctx.set_predictor(il, mlp.weights, mlp.biases, NEVER)
+                ctx.set_predictor(il, mlp.weights, mlp.biases)
+                ctx.set_exit(il, ExitKind.VERIFIED, NEVER)
         else:
             ctx.set_probe_callback(lambda il, cand_logits: False)
         ctx.set_probe_layers(layers)

@@ -10,7 +10,6 @@ One shard per answer, so an interrupted run picks up where it stopped.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,19 +96,3 @@ class Collector:
 
     def close(self) -> None:
         self.engine.close()
-
-
-def forward_ms(model_path: Path, n_threads: int, n: int = 32) -> float:
-    """Median time of one single-token forward of the target (the unit of the draft's cost)."""
-    engine = Engine(model_path, pack=None, config=EngineConfig(n_ctx=512, n_threads=n_threads))
-    try:
-        ctx = engine.ctx
-        ctx.decode(engine.tokenize("The draft head costs a share of this forward."))
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            ctx.decode([int(np.argmax(ctx.logits()))])
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times)) * 1e3
-    finally:
-        engine.close()

@@ -41,7 +41,10 @@ class Dataset:
         return np.argmax(self.top1 == self.final[:, None], axis=1)
 
     def rows(self, prompts: np.ndarray) -> np.ndarray:
-        return np.flatnonzero(np.isin(self.prompt, prompts))
+        """The steps answering these prompts, less each answer's first: the engine decodes that one (the
+        prompt's last token) in the prompt's batch, which never exits and has no draft."""
+        first = np.r_[True, self.answer[1:] != self.answer[:-1]]
+        return np.flatnonzero(np.isin(self.prompt, prompts) & ~first)
 
 
 def build(shards: list[Shard], weights: TargetWeights, first_layer: int = 0,

@@ -11,12 +11,10 @@ stays good after an early exit.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import gguf
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from specee_edge.calibrate.dataset import Dataset
 from specee_edge.draft import LINEAR_DRAFT_KIND, LinearDraft
@@ -52,8 +50,6 @@ class DraftReport:
     recall_at_1: float
     recall_at_k: float
     recall_at_k_after_exit: float  # with h_{s-1} from the previous token's oracle exit layer
-    ms_per_token: float
-    cost_share: float        # of one target forward
     recall_at_k_merged: float = 0.0  # with the prompt-lookup candidate, as the engine proposes
     by_category: dict[str, SourceRecall] = field(default_factory=dict)
 
@@ -72,10 +68,8 @@ def quantized(array: np.ndarray, qtype=gguf.GGMLQuantizationType.Q8_0) -> np.nda
 
 
 def fit_draft(ds: Dataset, weights: TargetWeights, train: np.ndarray, test: np.ndarray, *, k: int, vocab: int,
-              forward_ms: float, lookup: np.ndarray, categories: np.ndarray,
-              ridge: float = DRAFT_RIDGE) -> tuple[DraftHead, DraftReport]:
-    """forward_ms: one single-token forward of the target, timed just before (the draft's cost is a share of it).
-    lookup: every row's prompt-lookup candidate (-1: none); categories: every row's prompt category."""
+              lookup: np.ndarray, categories: np.ndarray, ridge: float = DRAFT_RIDGE) -> tuple[DraftHead, DraftReport]:
+    """lookup: every row's prompt-lookup candidate (-1: none); categories: every row's prompt category."""
     gamma, eps = weights.output_norm, weights.rms_eps
     tokens = np.unique(ds.token)
     embedding = dict(zip(tokens.tolist(), weights.embeddings(tokens)))
@@ -84,7 +78,9 @@ def fit_draft(ds: Dataset, weights: TargetWeights, train: np.ndarray, test: np.n
         emb = np.stack([embedding[t] for t in ds.token[rows].tolist()])
         return np.concatenate([emb, weights.final_norm(prev[rows].astype(np.float32)), np.ones((len(rows), 1), np.float32)], axis=1)
 
-    exited = train[ds.oracle_exit()[np.maximum(train - 1, 0)] < ds.n_layer - 1]  # rows whose previous step could leave early
+    # rows whose previous step (in the same answer) could leave early
+    previous = np.maximum(train - 1, 0)
+    exited = train[(train > 0) & (ds.answer[previous] == ds.answer[train]) & (ds.oracle_exit()[previous] < ds.n_layer - 1)]
     x = np.concatenate([inputs(train, ds.prev_final), inputs(exited, ds.prev_exit)]).astype(np.float64)
     y = weights.final_norm(ds.hidden[np.concatenate([train, exited]), -1].astype(np.float32)).astype(np.float64)
     reg = ridge * len(x) / 1000.0 * np.eye(x.shape[1])
@@ -105,7 +101,7 @@ def fit_draft(ds: Dataset, weights: TargetWeights, train: np.ndarray, test: np.n
         "norm.eps": np.array([eps], dtype=np.float32),
     }
     head = DraftHead(LINEAR_DRAFT_KIND, tensors, vocab_map)
-    return head, evaluate(LinearDraft(head, weights, k), ds, test, embedding, forward_ms, lookup[test], categories[test])
+    return head, evaluate(LinearDraft(head, weights, k), ds, test, embedding, lookup[test], categories[test])
 
 
 def refine_cross_entropy(x: np.ndarray, targets: np.ndarray, w: np.ndarray, head: np.ndarray, *, seed: int,
@@ -137,7 +133,7 @@ def refine_cross_entropy(x: np.ndarray, targets: np.ndarray, w: np.ndarray, head
 
 
 def evaluate(draft: LinearDraft, ds: Dataset, test: np.ndarray, embedding: dict[int, np.ndarray],
-             forward_ms: float, lookup: np.ndarray, categories: np.ndarray) -> DraftReport:
+             lookup: np.ndarray, categories: np.ndarray) -> DraftReport:
     emb = np.stack([embedding[t] for t in ds.token[test].tolist()])
     target = ds.final[test]
 
@@ -154,22 +150,12 @@ def evaluate(draft: LinearDraft, ds: Dataset, test: np.ndarray, embedding: dict[
         return SourceRecall(int(rows.sum()), float(covered[rows].mean()), float(hit_draft[rows].mean()),
                             float(hit_lookup[rows].mean()), float(hit_merged[rows].mean()))
 
-    # cost of one proposal as the engine calls it (single-threaded BLAS, see Engine.stream)
-    token, hidden = int(ds.token[test[0]]), ds.prev_final[test[0]].astype(np.float32)
-    with threadpool_limits(limits=1, user_api="blas"):
-        draft.propose(token, hidden)
-        t0, n = time.perf_counter(), 200
-        for _ in range(n):
-            draft.propose(token, hidden)
-        ms = (time.perf_counter() - t0) / n * 1e3
     return DraftReport(
         vocab=len(draft.vocab_map),
         vocab_coverage=float(np.mean(np.isin(target, draft.vocab_map))),
         recall_at_1=recall(ds.prev_final, 1),
         recall_at_k=recall(ds.prev_final, draft.k),
         recall_at_k_after_exit=recall(ds.prev_exit, draft.k),
-        ms_per_token=ms,
-        cost_share=ms / forward_ms,
         recall_at_k_merged=float(hit_merged.mean()),
         by_category={c: by_source(categories == c) for c in sorted(set(categories.tolist()))},
     )

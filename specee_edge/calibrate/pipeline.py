@@ -1,7 +1,12 @@
-"""`specee-edge calibrate`: answers -> lens -> draft head -> predictors -> quality levels -> temperatures -> pack.
+"""`specee-edge calibrate`: answers -> lens -> draft head -> predictors -> costs -> quality levels ->
+the levels in the engine -> temperatures -> pack.
 
-Every stage keeps its result in the work directory; a rerun with the same settings skips what is
-done (collection resumes prompt by prompt).
+The prompts are split three ways: the draft head and the predictors are trained on the first part,
+each level's exits are chosen (and checked through the engine) on the second, and the figures the pack
+stores for each level come from the engine on the third, prompts nothing was chosen on.
+
+Collection, the lens and the predictors keep their results in the work directory; a rerun with the
+same settings skips them (collection resumes prompt by prompt).
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from importlib.metadata import version
@@ -21,16 +26,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from threadpoolctl import threadpool_limits
 
 from specee_edge.calibrate import dataset as dataset_stage
-from specee_edge.calibrate.collect import Collector, Shard, forward_ms, round_sampling, shard_path
+from specee_edge.calibrate.collect import Collector, Shard, round_sampling, shard_path
 from specee_edge.calibrate.draft_fit import DRAFT_RIDGE, fit_draft
-from specee_edge.calibrate.levels import DEFAULT_QUALITY, LEVELS, CostModel, LevelSearch, check_with_engine, choose_levels
-from specee_edge.calibrate.predictor_fit import (
-    Probes,
-    layer_features,
-    probe_all,
-    train_predictors,
-)
-from specee_edge.calibrate.replay import Replay, pick_answers, replay
+from specee_edge.calibrate.levels import LEVELS, LevelSearch, check_with_engine, choose_levels
+from specee_edge.calibrate.predictor_fit import Probes, layer_features, probe_all, simulate, train_predictors
+from specee_edge.calibrate.replay import identical_answers, pick_answers, replay
 from specee_edge.calibrate.report import CalibrationReport, LayerReport, LevelReport
 from specee_edge.calibrate.temperature import fit_temperatures
 from specee_edge.data.prompts import load_prompts, split
@@ -38,10 +38,12 @@ from specee_edge.draft import LinearDraft
 from specee_edge.draft.lookup import LOOKUP_MAX_N
 from specee_edge.engine import Engine, EngineConfig
 from specee_edge.errors import SpecEEError
-from specee_edge.pack import Pack, QualityLevel, Schedule, target_identity, write_pack
+from specee_edge.pack import OFF, Pack, QualityLevel, Schedule, target_identity, write_pack
 from specee_edge.pack.format import DraftHead
 from specee_edge.pack.convert import predictors_from_npz, predictors_to_npz
 from specee_edge.predictor import MLPPredictor
+from specee_edge.runtime import Model
+from specee_edge.runtime.costs import DraftSetup, TokenCosts, measure_costs
 from specee_edge.runtime.weights import TargetWeights
 from specee_edge.threads import default_threads
 
@@ -49,6 +51,13 @@ CACHE = Path.home() / ".cache" / "specee-edge" / "calibrate"
 SPLIT = (0.6, 0.2, 0.2)  # prompts: train / threshold calibration / test
 COLLECTION = 2  # how answers are collected: a work dir from another version is not reused
 MAX_ROUNDS = 16  # answers per prompt at most (the first greedy, the others sampled)
+STEPS = 8  # the stages, for the progress bars
+# the default level, unless --quality names one: the fastest whose held-out agreement reaches AGREEMENT_FLOOR
+# and, for models that chat, whose greedy answers to code prompts stay identical to the full model's in at
+# least CODE_IDENTICAL_FLOOR of them (one wrong token can break a program)
+AGREEMENT_FLOOR = 0.98
+CODE_IDENTICAL_FLOOR = 0.75
+COST_TOKENS = 96  # decode steps each cost lane times, per round
 
 
 @dataclass
@@ -66,9 +75,11 @@ class CalibrateConfig:
     draft_ridge: float = DRAFT_RIDGE
     lookup: int = LOOKUP_MAX_N  # prompt lookup's longest n-gram (its candidate takes the first slot); 0: none
     hidden: int = 512         # predictor MLP width
-    levels: tuple[float, ...] = LEVELS  # agreement targets, one set of thresholds each
-    quality: float = DEFAULT_QUALITY    # the default level (one of `levels`)
-    replay_tokens: int = 2000           # held-out steps the engine replays per candidate level
+    levels: tuple[float, ...] = LEVELS  # agreement targets, one set of exits each
+    quality: float | None = None        # the default level (one of `levels`); None: chosen by the floors above
+    replay_tokens: int = 2000           # calibration-split steps the engine replays per candidate level
+    heldout_tokens: int = 4000          # test-split steps behind each level's stored agreement
+    identical_tokens: int = 64          # tokens of each held-out greedy answer compared with the full model's
     first_layer: int = 0      # no predictor below it; 0: n_layer // 4 (shallow layers hardly ever agree)
     command: str = ""
 
@@ -87,6 +98,7 @@ class Calibration:
         self.workdir = config.workdir or CACHE / self.target.fingerprint[:16]
         self.first_layer = config.first_layer or self.target.n_layer // 4
         self.seconds: dict[str, float] = {}
+        self.greedy: list[Shard] = []
         self._check_workdir()
 
     def _check_workdir(self) -> None:
@@ -103,9 +115,10 @@ class Calibration:
     # --- stages ------------------------------------------------------------------------------
 
     def collect(self, progress: Progress) -> list[Shard]:
-        """Answers until `tokens` steps: every prompt greedily, then again with sampling, round by round."""
+        """Answers until `tokens` steps: every prompt greedily, then again with sampling, round by round
+        (self.greedy: the first round's, the full model's greedy answers)."""
         prompts = load_prompts(self.config.prompts)
-        task = progress.add_task("1/7 answers (tokens)", total=self.config.tokens)
+        task = progress.add_task(f"1/{STEPS} answers (tokens)", total=self.config.tokens)
         shards: list[Shard] = []
         steps = 0
         collector = None
@@ -125,6 +138,8 @@ class Calibration:
                         shard = collector.answer(index, prompt, round_sampling(round_, index))
                     shard.save(path)
                 shards.append(shard)
+                if round_ == 0:
+                    self.greedy.append(shard)
                 steps += shard.steps
                 progress.update(task, advance=shard.steps)
                 progress.refresh()
@@ -142,7 +157,7 @@ class Calibration:
         if path.exists():
             ds = dataset_stage.load(path)
         else:
-            task = progress.add_task("2/7 logit lens (steps)", total=sum(len(s.hidden) for s in shards))
+            task = progress.add_task(f"2/{STEPS} logit lens (steps)", total=sum(len(s.hidden) for s in shards))
 
             def advance(n: float) -> None:
                 progress.update(task, advance=n)
@@ -154,147 +169,192 @@ class Calibration:
         return ds
 
     def settings_key(self, n_shards: int, head: DraftHead) -> str:
-        """What the predictors (and so the levels' engine runs) depend on, for the names of cached
-        results: the data, the settings, and the draft head itself (its candidates are their features)."""
+        """What the predictors depend on, for the name of their cached file: the data, the settings, and
+        the draft head itself (its candidates are their features)."""
         c = self.config
         draft = hashlib.sha256(np.ascontiguousarray(head.tensors["fc.weight"]).tobytes()).hexdigest()[:8]
-        return f"{n_shards}-from{self.first_layer}-k{c.k}-d{draft}-l{c.lookup}-h{c.hidden}-s{c.seed}"
+        return f"{n_shards}-from{self.first_layer}-k{c.k}-d{draft}-l{c.lookup}-h{c.hidden}-s{c.seed}-hf"
 
     def predictors(self, probes: Probes, train: np.ndarray, n_shards: int, head: DraftHead,
                    advance) -> dict[int, MLPPredictor]:
-        """Trained once per data and settings: the levels only move the thresholds."""
+        """Trained once per data and settings: the levels only choose among them."""
         c = self.config
         path = self.workdir / f"predictors-{self.settings_key(n_shards, head)}.npz"
         if path.exists():
             return predictors_from_npz(path)
-        predictors = train_predictors(probes, train, hidden=c.hidden, seed=c.seed, progress=advance)
+        predictors = train_predictors(probes, train, range(self.first_layer, self.target.n_layer),
+                                      hidden=c.hidden, seed=c.seed, progress=advance)
         predictors_to_npz(path, predictors)
         return predictors
+
+    def costs(self, draft: LinearDraft, predictor: MLPPredictor, shard: Shard, advance) -> TokenCosts:
+        """What a layer, the head, the draft, a check, a stop and a fill cost here (runtime/costs.py),
+        timed on a held-out answer."""
+        model = Model(self.config.model)
+        setup = DraftSetup(dict(w_embd=draft.w_embd, w_hidden=draft.w_hidden, bias=draft.bias, norm=draft.gamma,
+                                eps=draft.eps, head=draft.head, vocab_map=draft.vocab_map, quant=draft.quant),
+                           (predictor.weights, predictor.biases))
+        tokens = shard.tokens[: shard.start + 1 + COST_TOKENS].tolist()
+        try:
+            with threadpool_limits(limits=1, user_api="blas"):
+                return measure_costs(model, setup, tokens, n_prompt=shard.start + 1, n_threads=self.config.threads,
+                                     k=self.config.k, advance=advance)
+        finally:
+            model.close()
 
     def run(self) -> tuple[Pack, CalibrationReport]:
         config = self.config
         weights = TargetWeights(config.model)
+        prompts = load_prompts(config.prompts)
         with progress_bar(self.console) as progress:
+            def stage(name: str, total: float | None):
+                task = progress.add_task(f"{len(progress.tasks) + 1}/{STEPS} {name}", total=total)
+
+                def advance(*_) -> None:
+                    progress.update(task, advance=1)
+                    progress.refresh()
+                return advance
+
             shards = self.collect(progress)
             ds = self.dataset(shards, weights, progress)
             train_p, calib_p, test_p = split(int(ds.prompt.max()) + 1, config.seed, SPLIT)
             train, calib, test = ds.rows(train_p), ds.rows(calib_p), ds.rows(test_p)
             # the candidates the engine will see: the prompt-lookup one first, then the draft head's
             lookup = dataset_stage.lookup_column(shards, config.lookup)
-            prompts = load_prompts(config.prompts)
             categories = np.array([prompts[p].category for p in ds.prompt.tolist()])
 
-            task = progress.add_task("3/7 draft head", total=1)
+            advance = stage("draft head", 1)
             t0 = time.perf_counter()
             head, draft_report = fit_draft(ds, weights, train, test, k=config.k, vocab=config.draft_vocab,
-                                           forward_ms=forward_ms(config.model, config.threads), lookup=lookup,
-                                           categories=categories, ridge=config.draft_ridge)
+                                           lookup=lookup, categories=categories, ridge=config.draft_ridge)
             draft = LinearDraft(head, weights, config.k)
             self.seconds["draft"] = time.perf_counter() - t0
-            progress.update(task, advance=1)
-            progress.refresh()
+            advance()
 
-            task = progress.add_task("4/7 predictors (layers)", total=ds.n_layer - 1)
+            advance = stage("predictors (layers)", self.target.n_layer - self.first_layer)
             t0 = time.perf_counter()
             probes = probe_all(ds, draft, weights, lookup)
-
-            def advance_task(task_id):
-                def advance(*_) -> None:
-                    progress.update(task_id, advance=1)
-                    progress.refresh()
-                return advance
-
-            predictors = self.predictors(probes, train, len(shards), head, advance_task(task))
+            predictors = self.predictors(probes, train, len(shards), head, advance)
             self.seconds["predictors"] = time.perf_counter() - t0
 
-            task = progress.add_task("5/7 temperatures (layers)", total=len(predictors))
+            heldout_greedy = [shard for shard in self.greedy if shard.prompt in test_p]
+            advance = stage("costs on this machine (steps)", 3 * min(COST_TOKENS, len(heldout_greedy[0].tokens) - heldout_greedy[0].start - 1))
             t0 = time.perf_counter()
-            temperatures = fit_temperatures(ds, weights, sorted(predictors), train, test, config.seed, advance_task(task))
-            self.seconds["temperatures"] = time.perf_counter() - t0
+            costs = self.costs(draft, predictors[max(predictors)], heldout_greedy[0], advance)
+            self.seconds["costs"] = time.perf_counter() - t0
 
-            task = progress.add_task("6/7 quality levels (moves)", total=None)
-            t0 = time.perf_counter()
-            search = LevelSearch(ds, probes, predictors, calib, test, CostModel.of(weights.reader), Schedule(offline=[]),
-                                 1 - min(config.levels), advance_task(task))
-            choices = choose_levels(search, config.levels, advance_task(task))
-            self.seconds["levels"] = time.perf_counter() - t0
-
-            task = progress.add_task("7/7 levels in the engine (runs)", total=None)
-            t0 = time.perf_counter()
             provisional = self.workdir / "provisional.specee.gguf"
-            write_pack(provisional, self._pack(head, predictors, choices, temperatures.temperatures, {}))
+            write_pack(provisional, self._pack(head, predictors, [], {}, None, {}))
             engine = Engine(config.model, pack=provisional, config=EngineConfig(n_ctx=2048, n_threads=config.threads))
             try:
-                answers = pick_answers(shards, calib_p, config.replay_tokens)
-                choices = check_with_engine(search, choices, self._cached_replay(engine, answers, self.settings_key(len(shards), head)),
-                                            progress=advance_task(task))
+                advance = stage("quality levels (moves)", None)
+                t0 = time.perf_counter()
+                search = LevelSearch(ds, probes, predictors, calib, costs, Schedule(offline=[]), 1 - min(config.levels),
+                                     fill=engine.kv_mode == "fill", progress=advance)
+                choices = choose_levels(search, config.levels, advance)
+                self.seconds["levels"] = time.perf_counter() - t0
+
+                advance = stage("levels in the engine (runs)", None)
+                t0 = time.perf_counter()
+                calib_answers = pick_answers(shards, calib_p, config.replay_tokens)
+                choices = check_with_engine(search, choices, lambda level: replay(engine, level, calib_answers),
+                                            progress=advance)
+                test_answers = pick_answers(shards, test_p, config.heldout_tokens)
+                code = np.array([prompts[shard.prompt].category == "code" for shard in heldout_greedy])
+                levels = []
+                for choice in choices:
+                    levels.append(self._held_out(engine, choice.level, test_answers, heldout_greedy, code, costs))
+                    advance()
+                kv_mode = engine.kv_mode
+                self.seconds["engine"] = time.perf_counter() - t0
             finally:
                 engine.close()
-            self.seconds["engine"] = time.perf_counter() - t0
 
-        report = self._report(ds, shards, train, test, draft_report, head.vocab_map, probes, predictors, choices,
-                              temperatures)
-        pack = self._pack(head, predictors, choices, temperatures.temperatures, {
+            quality = config.quality if config.quality is not None else default_quality(
+                levels, code_matters=engine.prompting == "chat" and bool(code.any()))
+            default = next(level for level in levels if level.quality == quality)
+            advance = stage("temperatures (layers)", len(predictors))
+            t0 = time.perf_counter()
+            fit_rows = simulate(ds, probes, predictors, default.exits, calib, None).exit_rows()
+            check_rows = simulate(ds, probes, predictors, default.exits, test, None).exit_rows()
+            temperatures = fit_temperatures(ds, weights, sorted(predictors), fit_rows, check_rows, config.seed, advance)
+            self.seconds["temperatures"] = time.perf_counter() - t0
+
+        report = self._report(ds, shards, train, test, draft_report, probes, predictors, choices, levels, quality,
+                              temperatures, costs)
+        pack = self._pack(head, predictors, levels, temperatures.temperatures, quality, {
             "tool": f"specee-edge {version('specee-edge')}",
             "command": config.command,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "model_file": config.model.name,
-            "predictor": f"MLP {3 * config.k}->{config.hidden}->1 (scikit-learn), thresholds per quality level"
-                         f" {', '.join(f'{q:g}' for q in config.levels)}",
+            "predictor": f"MLP {3 * config.k}->{config.hidden}->1 (scikit-learn), per layer an exit kind and a threshold"
+                         f" per quality level {', '.join(f'{q:g}' for q in config.levels)}",
             "draft": f"linear ridge head over {config.draft_vocab} tokens, q8_0"
                      + (f"; prompt lookup up to {config.lookup}-grams in the first slot" if config.lookup else ""),
+            "kv_mode": kv_mode,  # the KV mode the levels were checked in: their figures hold for it
+            "costs_ms": costs.to_dict(),
             "settings": {k: v for k, v in asdict(config).items() if k not in ("model", "output", "workdir", "command")}
             | {"prompts": str(config.prompts or "built-in")},
             "report": report.to_dict(),
         })
         return pack, report
 
-    def _cached_replay(self, engine: Engine, answers: list[Shard], key: str) -> Callable[[QualityLevel], Replay]:
-        """Engine replays are the slow part of the levels: a rerun that only picks another default
-        --quality (the same data and settings, so the same candidate levels) reads them back."""
-        path = self.workdir / f"engine-replays-{key}.json"
-        cache = json.loads(path.read_text()) if path.exists() else {}
+    def _held_out(self, engine: Engine, level: QualityLevel, answers: list[Shard], greedy: list[Shard],
+                  code: np.ndarray, costs: TokenCosts) -> QualityLevel:
+        """The level's figures from prompts it was not chosen on. A level whose decisions there are predicted
+        slower than plain decoding turns every layer off (it then decodes plainly: figures of 1)."""
+        if level.off:
+            return dataclasses.replace(level, identical=1.0, identical_code=1.0 if code.any() else -1.0)
+        run = replay(engine, level, answers, costs)
+        if run.speedup < 1.0:
+            off = dataclasses.replace(level, exits=dict.fromkeys(level.exits, OFF), offline=[])
+            return dataclasses.replace(off, steps=run.steps, identical=1.0, identical_code=1.0 if code.any() else -1.0)
+        same = np.array(identical_answers(engine, level, greedy, self.config.identical_tokens))
+        return dataclasses.replace(
+            level, exit_rate=run.exit_rate, agreement=run.agreement, verify_fail_rate=run.verify_fail_rate,
+            layer_speedup=self.target.n_layer / (run.avg_exit_layer + 1), speedup=run.speedup,
+            head_free_rate=run.head_free_rate, steps=run.steps, identical=float(same.mean()),
+            identical_code=float(same[code].mean()) if code.any() else -1.0)
 
-        def measure(level: QualityLevel) -> Replay:
-            key = json.dumps([self.config.seed, self.config.replay_tokens, sorted(level.thresholds.items()),
-                              level.offline, len(answers)])
-            if key not in cache:
-                cache[key] = asdict(replay(engine, level, answers))
-                path.write_text(json.dumps(cache))
-            return Replay(**cache[key])
-
-        return measure
-
-    def _pack(self, head, predictors, choices, temperatures, provenance) -> Pack:
-        levels = [choice.level for choice in choices]
-        default = next(level for level in levels if level.quality == self.config.quality)
-        return Pack(target=self.target, k=self.config.k, threshold=0.5, schedule=Schedule(offline=default.offline),
-                    predictors=predictors, draft=head, levels=levels, default_quality=self.config.quality,
+    def _pack(self, head, predictors, levels, temperatures, quality, provenance) -> Pack:
+        default = next((level for level in levels if level.quality == quality), None)
+        return Pack(target=self.target, k=self.config.k, threshold=0.5,
+                    schedule=Schedule(offline=default.offline if default else []),
+                    predictors=predictors, draft=head, levels=levels, default_quality=quality,
                     temperatures=temperatures, lookup_max_n=self.config.lookup, provenance=provenance)
 
-    def _report(self, ds, shards, train, test, draft_report, draft_vocab, probes, predictors, choices,
-                temperatures) -> CalibrationReport:
-        default = next(c.level for c in choices if c.level.quality == self.config.quality)
+    def _report(self, ds, shards, train, test, draft_report, probes, predictors, choices, levels, quality,
+                temperatures, costs) -> CalibrationReport:
+        default = next(level for level in levels if level.quality == quality)
         layers = []
         for il in sorted(predictors):
             p = predictors[il](layer_features(probes, test, il, np.full(len(test), 1)))
-            y = probes.label[test, il]
-            said = p > default.thresholds[il]
-            layers.append(LayerReport(il, float(y.mean()), default.thresholds[il],
+            y = probes.head_free[test, il]
+            said = p > default.exits[il].threshold
+            layers.append(LayerReport(il, float(y.mean()), default.exits[il].kind.label, default.exits[il].threshold,
                                       float(y[said].mean()) if said.any() else 0.0,
                                       float(said[y].mean()) if y.any() else 0.0,
                                       temperatures.temperatures[il]))
         n_layer = ds.n_layer
         oracle = float(ds.oracle_exit()[test].mean())
-        vocab = set(draft_vocab.tolist()) if draft_vocab is not None else None
         return CalibrationReport(
             model=self.config.model.name, n_layer=n_layer, prompts=int(ds.prompt.max()) + 1, answers=len(shards),
             tokens=len(ds.token), train_tokens=len(train), draft=draft_report, layers=layers,
-            levels=[LevelReport.of(c, n_layer, ds.top1, vocab) for c in choices],
-            default_quality=self.config.quality,
+            levels=[LevelReport.of(choice, level, n_layer) for choice, level in zip(choices, levels)],
+            default_quality=quality, costs=costs.to_dict(),
             oracle_avg_exit_layer=oracle, oracle_layer_speedup=n_layer / (oracle + 1),
             nll_raw=temperatures.nll_raw, nll_temperature=temperatures.nll_fitted, seconds=dict(self.seconds),
         )
+
+
+def default_quality(levels: list[QualityLevel], *, code_matters: bool) -> float:
+    """The fastest level (predicted, held out) that keeps AGREEMENT_FLOOR and, where code matters, the share of
+    identical code answers; the highest level if none does."""
+    eligible = [level for level in levels if level.agreement >= AGREEMENT_FLOOR
+                and (not code_matters or level.identical_code >= CODE_IDENTICAL_FLOOR)]
+    if not eligible:
+        return max(level.quality for level in levels)
+    return max(eligible, key=lambda level: (level.speedup, level.quality)).quality
 
 
 def calibrate(config: CalibrateConfig, console: Console | None = None) -> CalibrationReport:

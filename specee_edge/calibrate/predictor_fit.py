@@ -1,11 +1,15 @@
 """Stage 4: per-layer exit predictors, the offline schedule, and a simulation of the engine's decisions.
 
-Features are computed by predictor.features.probe_features, the code the engine runs, on the step's
-candidates (the prompt-lookup one, then the draft's) read through each layer's final-normed hidden state. The delta feature is taken against
-a randomly chosen earlier layer (or none), as the online schedule leaves gaps of varying size.
+Features are computed by predictor.rule.probe_features, the code the engine runs, on the step's
+candidates (the prompt-lookup one, then the draft's) read through each layer's final-normed hidden
+state. The delta feature is taken against a randomly chosen earlier layer (or none), as the online
+schedule leaves gaps of varying size.
 
-Label of (step, layer): the layer's top-1 equals the final top-1 and is among the candidates.
-Their thresholds are chosen per quality level, all layers together, in levels.py.
+Label of (step, layer): the candidates' argmax at the layer is the full model's token, which is what a
+head-free exit emits. A verified exit emits the layer's own top-1 when it is a candidate, and whenever
+that is right the candidates' argmax is too, so one predictor per layer serves both kinds; the last
+layer's says whether the output head can be skipped. Each level's kinds and thresholds are chosen,
+all layers together, in levels.py.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from sklearn.neural_network import MLPClassifier
 
 from specee_edge.calibrate.dataset import Dataset
 from specee_edge.draft import LinearDraft
-from specee_edge.pack.format import Schedule
+from specee_edge.exits import ExitKind
+from specee_edge.pack.format import LayerExit, Schedule
 from specee_edge.predictor import MLPPredictor
-from specee_edge.predictor.features import candidate_probs, probe_features
+from specee_edge.predictor.rule import candidate_argmax, candidate_probs, decide, probe_features
 from specee_edge.predictor.schedule import OnlineSchedule
 from specee_edge.runtime.weights import TargetWeights
 
@@ -38,9 +43,13 @@ class Probes:
 
     candidates: np.ndarray  # int [N, k]
     logits: np.ndarray      # float32 [N, n_layer, k]
-    label: np.ndarray       # bool [N, n_layer]
     verified: np.ndarray    # bool [N, n_layer]: the layer's top-1 is a candidate (verification passes)
     correct: np.ndarray     # bool [N, n_layer]: the layer's top-1 is the final top-1
+    head_free: np.ndarray   # bool [N, n_layer]: the candidates' argmax at the layer is the final top-1 (the label)
+
+    def exit_correct(self, kind: ExitKind) -> np.ndarray:
+        """Whether an exit of `kind` at (step, layer) emits the full model's token."""
+        return self.head_free if kind == ExitKind.HEAD_FREE else self.correct
 
 
 def probe_all(ds: Dataset, draft: LinearDraft, weights: TargetWeights, lookup: np.ndarray) -> Probes:
@@ -53,7 +62,8 @@ def probe_all(ds: Dataset, draft: LinearDraft, weights: TargetWeights, lookup: n
         logits[:, il] = weights.capped(np.einsum("nd,nkd->nk", weights.final_norm(ds.hidden[:, il].astype(np.float32)), rows))
     verified = (ds.top1[:, :, None] == candidates[:, None, :]).any(axis=2)
     correct = ds.top1 == ds.final[:, None]
-    return Probes(candidates, logits, verified & correct, verified, correct)
+    head_free = np.take_along_axis(candidates, candidate_argmax(logits), axis=1) == ds.final[:, None]
+    return Probes(candidates, logits, verified, correct, head_free)
 
 
 def layer_features(probes: Probes, rows: np.ndarray, layer: int, gaps: np.ndarray) -> np.ndarray:
@@ -65,13 +75,13 @@ def layer_features(probes: Probes, rows: np.ndarray, layer: int, gaps: np.ndarra
     return probe_features(probes.logits[rows, layer], np.where(has_prev, prev_probs, np.float32(0)))[0]
 
 
-def train_predictors(probes: Probes, train: np.ndarray, *, hidden: int, seed: int,
+def train_predictors(probes: Probes, train: np.ndarray, layers: range, *, hidden: int, seed: int,
                      progress: Callable[[int], None] = lambda il: None) -> dict[int, MLPPredictor]:
-    """One MLP per layer below the last with enough positive steps."""
+    """One MLP for each of `layers` with enough positive and negative steps."""
     rng = np.random.default_rng(seed)
     predictors = {}
-    for il in range(probes.logits.shape[1] - 1):
-        y = probes.label[train, il]
+    for il in layers:
+        y = probes.head_free[train, il]
         if y.sum() >= MIN_POSITIVES and (~y).sum() >= MIN_POSITIVES:
             x = layer_features(probes, train, il, rng.choice(GAPS, len(train)))
             predictors[il] = fit_mlp(x, y, hidden=hidden, seed=seed)
@@ -105,7 +115,7 @@ class Simulation:
     predictor_calls_per_token: float
     verify_fail_rate: float
     layer_hits: Counter = field(default_factory=Counter)
-    rejected: list[tuple[int, int]] = field(default_factory=list)  # (row, layer) of each failed verification
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # the step of each exit_layers entry
 
     def avg_exit_layer(self, n_layer: int) -> float:
         return float(np.mean([n_layer - 1 if e is None else e for e in self.exit_layers]))
@@ -114,32 +124,33 @@ class Simulation:
     def exit_rate(self) -> float:
         return float(np.mean([e is not None for e in self.exit_layers]))
 
+    def exit_rows(self) -> dict[int, np.ndarray]:
+        """Per exit layer, the steps that left there."""
+        layers = np.array([-1 if e is None else e for e in self.exit_layers])
+        return {int(il): self.rows[layers == il] for il in np.unique(layers) if il >= 0}
 
-def simulate(ds: Dataset, probes: Probes, predictors: dict[int, MLPPredictor], thresholds: dict[int, float],
+
+def simulate(ds: Dataset, probes: Probes, predictors: dict[int, MLPPredictor], exits: dict[int, LayerExit],
              rows: np.ndarray, schedule: Schedule | None) -> Simulation:
-    """Replay steps answer by answer; schedule None checks every predictor layer."""
-    layers_all = sorted(il for il in predictors if thresholds[il] < 1.0)
-    exit_layers, correct, calls, positives, rejected = [], 0, 0, 0, []
+    """Replay steps answer by answer through the exit rule; schedule None checks every layer that is on."""
+    on = sorted(il for il in predictors if exits[il].on)
+    exit_layers, order, correct, calls, verified_positives, rejections = [], [], 0, 0, 0, 0
     for answer in np.unique(ds.answer[rows]):
-        online = OnlineSchedule(schedule, set(layers_all)) if schedule else None
+        online = OnlineSchedule(schedule, set(on)) if schedule else None
         for row in rows[ds.answer[rows] == answer]:
-            prev_probs, exit_layer = None, None
-            for il in online.layers() if online else layers_all:
-                features, prev_probs = probe_features(probes.logits[row, il], prev_probs)
-                calls += 1
-                if predictors[il](features) > thresholds[il]:
-                    positives += 1
-                    if probes.verified[row, il]:
-                        exit_layer = il
-                        break
-                    rejected.append((int(row), il))
+            layers = online.layers() if online else on
+            d = decide(layers, probes.logits[row, layers], probes.verified[row, layers], predictors, exits)
             if online:
-                online.record_exit(exit_layer)
-            exit_layers.append(exit_layer)
-            correct += exit_layer is None or bool(probes.correct[row, exit_layer])
+                online.record_exit(d.exit_layer)
+            calls += d.probes
+            rejections += d.rejections
+            verified_positives += d.rejections + (d.kind == ExitKind.VERIFIED)
+            exit_layers.append(d.exit_layer)
+            order.append(row)
+            correct += d.exit_layer is None or bool(probes.exit_correct(d.kind)[row, d.exit_layer])
     n = len(exit_layers)
-    return Simulation(n, exit_layers, correct / n, calls / n, len(rejected) / positives if positives else 0.0,
-                      Counter(e for e in exit_layers if e is not None), rejected)
+    return Simulation(n, exit_layers, correct / n, calls / n, rejections / verified_positives if verified_positives else 0.0,
+                      Counter(e for e in exit_layers if e is not None), np.array(order, dtype=np.int64))
 
 
 def offline_layers(sim: Simulation, n_layer: int) -> list[int]:

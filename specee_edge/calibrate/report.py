@@ -1,22 +1,24 @@
-"""The calibration report: printed as rich tables and stored in the pack's provenance."""
+"""The calibration report: printed as rich tables (they fit 80 columns) and stored in the pack's provenance."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import numpy as np
 from rich.console import Group
 from rich.table import Table
 
 from specee_edge.calibrate.draft_fit import DraftReport
 from specee_edge.calibrate.levels import LevelChoice
+from specee_edge.exits import ExitKind
+from specee_edge.pack.format import QualityLevel
 
 
 @dataclass
 class LayerReport:
     layer: int
-    positive_rate: float  # share of held-out steps whose label is 1
-    threshold: float      # at the default level
+    positive_rate: float  # share of held-out steps whose label is 1 (the candidates' argmax is the full model's token)
+    kind: str             # its exit at the default level
+    threshold: float
     precision: float      # of the predictor alone at that threshold, on held-out steps
     recall: float
     temperature: float
@@ -24,33 +26,37 @@ class LayerReport:
 
 @dataclass
 class LevelReport:
-    """One quality level: the engine's own run on held-out calibration answers (its KV mode's
-    approximate K/V after exits included), and the decisions alone on the test split with K/V exact."""
+    """One quality level: the engine on held-out prompts (its KV mode's approximate K/V after exits
+    included), and on the calibration split the decisions alone with K/V exact."""
 
     quality: float
-    active_layers: list[int]  # threshold below 1
+    verified_layers: list[int]
+    head_free_layers: list[int]
     offline_layers: list[int]
-    avg_exit_layer: float     # the engine's
-    exit_rate: float          # the engine's
-    agreement: float          # the engine's, against the full model on the same prefix
-    exact_agreement: float    # K/V exact (test split): the exits' own errors
-    predictor_calls_per_token: float
-    verify_fail_rate: float
+    agreement: float          # the engine's on held-out prompts, against the full model on the same prefix
+    agreement_low: float      # Wilson's 95% interval
+    agreement_high: float
+    steps: int
+    exact_agreement: float    # calibration split, K/V exact: the exits' own errors
+    exit_rate: float
+    head_free_rate: float
     layer_speedup: float      # n_layer / mean layers run, overheads excluded
-    # of the failed verifications, the share whose exit top-1 is in the draft vocabulary: a pre-check
-    # scoring only those rows of the LM head would have rejected them (a lower bound); None: no failures
-    precheck_catch: float | None
-    exit_histogram: dict[int, int]  # test split, K/V exact
+    speedup: float            # predicted from the measured costs of the engine's decisions
+    verify_fail_rate: float
+    identical: float          # held-out greedy answers identical to the full model's (-1: not measured)
+    identical_code: float
+    predictor_calls_per_token: float
+    exit_histogram: dict[int, int]  # calibration split, K/V exact
 
     @classmethod
-    def of(cls, choice: LevelChoice, n_layer: int, top1: np.ndarray, draft_vocab: set[int] | None) -> LevelReport:
-        level, sim, engine = choice.level, choice.heldout, choice.engine
-        caught = [draft_vocab is None or int(top1[row, il]) in draft_vocab for row, il in sim.rejected]
-        return cls(level.quality, [il for il, t in level.thresholds.items() if t < 1.0], level.offline,
-                   engine.avg_exit_layer if engine else sim.avg_exit_layer(n_layer), level.exit_rate, level.agreement,
-                   sim.agreement, sim.predictor_calls_per_token, level.verify_fail_rate, level.layer_speedup,
-                   float(np.mean(caught)) if caught else None,
-                   {int(k): int(v) for k, v in sorted(sim.layer_hits.items())})
+    def of(cls, choice: LevelChoice, level: QualityLevel, n_layer: int) -> LevelReport:
+        sim = choice.simulated
+        low, high = level.agreement_interval()
+        of_kind = lambda kind: [il for il in level.on_layers if level.exits[il].kind == kind]  # noqa: E731
+        return cls(level.quality, of_kind(ExitKind.VERIFIED), of_kind(ExitKind.HEAD_FREE), level.offline,
+                   level.agreement, low, high, int(level.steps), sim.agreement, level.exit_rate, level.head_free_rate,
+                   level.layer_speedup, level.speedup, level.verify_fail_rate, level.identical, level.identical_code,
+                   sim.predictor_calls_per_token, {int(k): int(v) for k, v in sorted(sim.layer_hits.items())})
 
 
 @dataclass
@@ -65,6 +71,7 @@ class CalibrationReport:
     layers: list[LayerReport]
     levels: list[LevelReport]
     default_quality: float
+    costs: dict               # runtime/costs.py TokenCosts, ms
     oracle_avg_exit_layer: float
     oracle_layer_speedup: float
     nll_raw: float          # held-out cross-entropy of exits against the full model's distribution
@@ -78,38 +85,60 @@ class CalibrationReport:
         summary = Table(title=f"calibration of {self.model}", show_header=False)
         summary.add_column(style="bold")
         summary.add_column(justify="right")
-        d = self.draft
+        d, c = self.draft, self.costs
+        plain = c["fixed_ms"] + c["n_layer"] * c["layer_ms"] + c["head_ms"]
         rows = [
-            ("prompts / answers / steps / train steps", f"{self.prompts} / {self.answers} / {self.tokens} / {self.train_tokens}"),
-            ("draft vocabulary (held-out coverage)", f"{d.vocab} ({d.vocab_coverage:.2f})"),
-            ("draft_recall@1 / @k / @k after an exit", f"{d.recall_at_1:.3f} / {d.recall_at_k:.3f} / {d.recall_at_k_after_exit:.3f}"),
+            ("prompts / answers", f"{self.prompts} / {self.answers}"),
+            ("steps / train steps", f"{self.tokens} / {self.train_tokens}"),
+            ("draft vocabulary (coverage)", f"{d.vocab} ({d.vocab_coverage:.2f})"),
+            ("recall@1 / @k / after an exit", f"{d.recall_at_1:.3f} / {d.recall_at_k:.3f} / {d.recall_at_k_after_exit:.3f}"),
             ("recall@k with prompt lookup", f"{d.recall_at_k_merged:.3f}"),
-            ("draft cost per token", f"{d.ms_per_token:.3f} ms ({d.cost_share:.1%} of a forward)"),
-            ("oracle avg_exit_layer (layer-only speedup)", f"{self.oracle_avg_exit_layer:.2f} ({self.oracle_layer_speedup:.3f}x)"),
-            ("exit cross-entropy, raw / with temperatures", f"{self.nll_raw:.3f} / {self.nll_temperature:.3f}"),
+            ("a token, plain decoding", f"{plain:.2f} ms"),
+            ("a layer / the LM head", f"{c['layer_ms']:.3f} / {c['head_ms']:.3f} ms"),
+            ("the draft (in the graph)", f"{c['draft_ms']:.3f} ms ({c['draft_ms'] / plain:.1%})"),
+            ("a check / a stop / a fill", f"{c['check_ms'] * 1e3:.0f} / {c['stop_ms'] * 1e3:.0f} / {c['fill_ms'] * 1e3:.0f} us"),
+            ("oracle exit layer (layers)", f"{self.oracle_avg_exit_layer:.2f} ({self.oracle_layer_speedup:.3f}x)"),
+            ("exit cross-entropy, T = 1 / fit", f"{self.nll_raw:.3f} / {self.nll_temperature:.3f}"),
             ("time (s)", ", ".join(f"{k} {v:.0f}" for k, v in self.seconds.items())),
         ]
         for label, value in rows:
             summary.add_row(label, value)
-        levels = Table(title="quality levels (the engine on held-out answers; exact: K/V exact, the exits' own errors)")
-        for column in ("quality", "agreement", "exact", "exit_rate", "avg_exit_layer", "layer speedup",
-                       "verify_fail_rate", "pre-check catch", "checks/token", "active layers", "offline"):
+
+        levels = Table(title="quality levels: the engine on held-out prompts")
+        for column in ("quality", "agreement (95%)", "exit", "head-free", "speed", "identical (code)"):
             levels.add_column(column, justify="right")
+        layers_on = Table(title="quality levels: layers on")
+        for column in ("quality", "verified", "head-free", "exact", "checks"):
+            layers_on.add_column(column, justify="right")
         for r in self.levels:
-            mark = " (default)" if r.quality == self.default_quality else ""
-            levels.add_row(f"{r.quality:g}{mark}", f"{r.agreement:.4f}", f"{r.exact_agreement:.4f}", f"{r.exit_rate:.3f}", f"{r.avg_exit_layer:.2f}",
-                           f"{r.layer_speedup:.3f}x", f"{r.verify_fail_rate:.3f}", f"{r.precheck_catch:.2f}" if r.precheck_catch is not None else "-",
-                           f"{r.predictor_calls_per_token:.2f}",
-                           str(len(r.active_layers)), " ".join(map(str, r.offline_layers)) or "-")
-        layers = Table(title=f"predictors (held-out steps; thresholds at quality {self.default_quality:g})")
-        for column in ("layer", "positives", "threshold", "precision", "recall", "temperature"):
+            mark = "*" if r.quality == self.default_quality else ""
+            identical = "-" if r.identical < 0 else f"{r.identical:.2f}" + ("" if r.identical_code < 0 else f" ({r.identical_code:.2f})")
+            levels.add_row(f"{r.quality:g}{mark}", f"{r.agreement:.3f} ({r.agreement_low:.3f}-{r.agreement_high:.3f})",
+                           f"{r.exit_rate:.2f}", f"{r.head_free_rate:.2f}", f"{r.speedup:.3f}x", identical)
+            layers_on.add_row(f"{r.quality:g}{mark}", _span(r.verified_layers), _span(r.head_free_layers),
+                              f"{r.exact_agreement:.3f}", f"{r.predictor_calls_per_token:.1f}")
+        layers = Table(title=f"predictors (held-out steps; exits at quality {self.default_quality:g})")
+        for column in ("layer", "positives", "exit", "threshold", "precision", "recall", "T"):
             layers.add_column(column, justify="right")
         for r in self.layers:
-            layers.add_row(str(r.layer), f"{r.positive_rate:.3f}", f"{r.threshold:.2f}", f"{r.precision:.3f}",
-                           f"{r.recall:.3f}", f"{r.temperature:.3f}")
-        sources = Table(title="candidate recall by prompt category (held-out steps)")
-        for column in ("category", "steps", "draft vocab coverage", "draft head", "prompt lookup", "merged"):
+            layers.add_row(str(r.layer), f"{r.positive_rate:.3f}", r.kind, f"{r.threshold:.2f}", f"{r.precision:.3f}",
+                           f"{r.recall:.3f}", f"{r.temperature:.2f}")
+        sources = Table(title="candidate recall by prompt category")
+        for column in ("category", "steps", "vocab", "draft", "lookup", "merged"):
             sources.add_column(column, justify="right")
         for name, r in d.by_category.items():
             sources.add_row(name, str(r.steps), f"{r.vocab_coverage:.3f}", f"{r.draft:.3f}", f"{r.lookup:.3f}", f"{r.merged:.3f}")
-        return Group(summary, sources, levels, layers)
+        return Group(summary, sources, levels, layers_on, layers)
+
+
+def _span(layers: list[int]) -> str:
+    """`12-15, 20` for [12, 13, 14, 15, 20]; `-` for none."""
+    if not layers:
+        return "-"
+    runs = [[layers[0]]]
+    for il in layers[1:]:
+        if il == runs[-1][-1] + 1:
+            runs[-1].append(il)
+        else:
+            runs.append([il])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)

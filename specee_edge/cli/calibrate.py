@@ -22,15 +22,18 @@ def calibrate(
     threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads")] = None,
     seed: Annotated[int, typer.Option("-s", "--seed", help="seed of the splits and the MLPs")] = 0,
     levels: Annotated[str, typer.Option("--levels", help="quality levels: agreements with the full model, comma-separated")] = "0.9,0.95,0.98,0.99,0.995",
-    quality: Annotated[float, typer.Option("--quality", help="the pack's default level (one of --levels)")] = 0.98,
-    replay_tokens: Annotated[int, typer.Option("--replay-tokens", help="held-out steps the engine replays to check each level")] = 2000,
+    quality: Annotated[float | None, typer.Option("--quality", help="the pack's default level (one of --levels) [default: the fastest level whose held-out agreement is at least 0.98 and, for chat models, whose greedy code answers stay identical to the full model's in 3 of 4]")] = None,
+    replay_tokens: Annotated[int, typer.Option("--replay-tokens", help="steps the engine replays to check each level (on the prompts its exits were chosen on)")] = 2000,
+    heldout_tokens: Annotated[int, typer.Option("--heldout-tokens", help="steps behind each level's stored agreement (prompts nothing was chosen on)")] = 4000,
+    identical_tokens: Annotated[int, typer.Option("--identical-tokens", help="tokens of each held-out greedy answer compared with the full model's")] = 64,
     draft_vocab: Annotated[int, typer.Option("--draft-vocab", help="tokens the draft head scores")] = 4096,
     draft_ridge: Annotated[float, typer.Option("--draft-ridge", help="the draft head's ridge penalty per 1,000 rows")] = 0.1,
     lookup: Annotated[int, typer.Option("--lookup", help="prompt lookup: the longest n-gram matched in the context (0: off)")] = 4,
     max_answer: Annotated[int, typer.Option("--max-answer", help="tokens per answer")] = 256,
     work_dir: Annotated[Path | None, typer.Option("--work-dir", help="keeps each stage's results, so a rerun resumes")] = None,
 ) -> None:
-    """Calibrate a pack for MODEL: its own answers, a draft head, per-layer predictors, and thresholds per quality level."""
+    """Calibrate a pack for MODEL: its own answers, a draft head, per-layer predictors, and per quality level each
+    layer's exit (off, verified or head-free) and threshold, priced by what each part costs on this machine."""
     from specee_edge.calibrate import CalibrateConfig
     from specee_edge.calibrate import calibrate as run_calibration
     from specee_edge.engine.exit import PACK_SUFFIX
@@ -43,16 +46,19 @@ def calibrate(
             level_list = tuple(sorted({float(q) for q in levels.split(",")}))
         except ValueError:
             raise SpecEEError(f"--levels takes comma-separated numbers, got {levels!r}") from None
-        if not all(0.5 < q < 1.0 for q in level_list) or quality not in level_list:
+        if not all(0.5 < q < 1.0 for q in level_list) or (quality is not None and quality not in level_list):
             raise SpecEEError("every --levels value must be in (0.5, 1), and --quality one of them")
-        if not 1 <= k <= 8 or tokens < 1 or draft_vocab < k or replay_tokens < 1 or not 0 <= lookup <= 8 or draft_ridge < 0:
-            raise SpecEEError("need 1 <= --k <= 8, --tokens >= 1, --replay-tokens >= 1, --draft-vocab >= --k"
-                              ", 0 <= --lookup <= 8 and --draft-ridge >= 0")
+        if (not 1 <= k <= 8 or tokens < 1 or draft_vocab < k or min(replay_tokens, heldout_tokens, identical_tokens) < 1
+                or not 0 <= lookup <= 8 or draft_ridge < 0):
+            raise SpecEEError("need 1 <= --k <= 8, --tokens >= 1, --replay-tokens, --heldout-tokens and --identical-tokens"
+                              " >= 1, --draft-vocab >= --k, 0 <= --lookup <= 8 and --draft-ridge >= 0")
         output = output or model_path.with_name(model_path.name.removesuffix(".gguf") + PACK_SUFFIX)
         config = CalibrateConfig(
             model=model_path, output=output, workdir=work_dir, tokens=tokens, prompts=prompts, k=k,
             threads=threads or default_threads(), seed=seed, max_answer=max_answer, draft_vocab=draft_vocab,
-            levels=level_list, quality=quality, replay_tokens=replay_tokens, lookup=lookup, draft_ridge=draft_ridge, command=" ".join(["specee-edge", *sys.argv[1:]]),
+            levels=level_list, quality=quality, replay_tokens=replay_tokens, heldout_tokens=heldout_tokens,
+            identical_tokens=identical_tokens, lookup=lookup, draft_ridge=draft_ridge,
+            command=" ".join(["specee-edge", *sys.argv[1:]]),
         )
         report = run_calibration(config, err_console)
     except SpecEEError as e:

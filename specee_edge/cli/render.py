@@ -11,6 +11,8 @@ from rich.text import Text
 
 from specee_edge.engine import Engine, GenerationStats, SamplingParams, TokenRecord
 from specee_edge.engine.exit import ExitPolicy
+from specee_edge.exits import ExitKind
+from specee_edge.pack.format import LayerExit
 
 # Exit-depth colours, shallow to deep: (share of the last layer index reached, style).
 DEPTH_STYLES: tuple[tuple[float, str], ...] = ((0.5, "bold green"), (0.67, "cyan"), (0.83, "yellow"), (1.0, "magenta"))
@@ -127,7 +129,7 @@ def engine_info(engine: Engine, sampling: SamplingParams, max_tokens: int, syste
             ("predictor layers", ", ".join(map(str, sorted(pack.predictors))) or "none"),
             ("offline schedule", ", ".join(map(str, sorted(policy.schedule.offline))) or "none"),
             ("online schedule", f"offsets {pack.schedule.offsets} around each of the last {pack.schedule.window} exits"),
-            ("thresholds", _thresholds_text(sorted(set(policy.thresholds.values())))),
+            ("exits", _exits_text(policy.exits)),
         ]
         provenance = pack.provenance
         if provenance:
@@ -153,12 +155,18 @@ def _quality_text(policy: ExitPolicy) -> str:
     return f"{policy.quality:g}{default}; the pack offers {', '.join(f'{lv.quality:g}' for lv in levels)}"
 
 
-def _thresholds_text(thresholds: list[float]) -> str:
-    if not thresholds:
+def _exits_text(exits: dict[int, LayerExit]) -> str:
+    """`verified 20, 22 (0.9 to 0.95); head-free 29 (0.8)`, or what the level turns off."""
+    if not exits:
         return "none (no predictors)"
-    if len(thresholds) == 1:
-        return f"{thresholds[0]:g}"
-    return f"{thresholds[0]:g} to {thresholds[-1]:g} (per layer)"
+    parts = []
+    for kind in (ExitKind.VERIFIED, ExitKind.HEAD_FREE):
+        layers = sorted(il for il, e in exits.items() if e.kind == kind)
+        if layers:
+            thresholds = sorted({exits[il].threshold for il in layers})
+            span = f"{thresholds[0]:g}" if len(thresholds) == 1 else f"{thresholds[0]:g} to {thresholds[-1]:g}"
+            parts.append(f"{kind.label} {', '.join(map(str, layers))} ({span})")
+    return "; ".join(parts) or "every layer off"
 
 
 def _kv_table(title: str, rows: list[tuple[str, str]]) -> Table:

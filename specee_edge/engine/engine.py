@@ -29,8 +29,10 @@ from specee_edge.engine.records import GenerationStats, TokenRecord
 from specee_edge.engine.sampling import SamplingParams, sample
 from specee_edge.engine.stops import StopMatcher
 from specee_edge.errors import ContextFullError, SpecEEError, UnsupportedModelError
+from specee_edge.exits import ExitKind
 from specee_edge.registry import entry_for_file
 from specee_edge.runtime import Context, Model
+from specee_edge.runtime.context import StepInfo
 from specee_edge.threads import default_threads
 
 # By measurement (docs/bench.md): fill agrees with the full model like `full` and costs about
@@ -84,7 +86,7 @@ class Engine:
             self.policy.set_active(self.early_exit)
         # the tokens whose K/V are in the cache, in order, indexed for prompt lookup if the pack uses it
         self._history = PromptLookup(self.policy.pack.lookup_max_n if self.policy else 0)
-        self._exit_layer: int | None = None  # of the last decoded token
+        self._last_step: StepInfo | None = None  # what the last decode did (None: no early exit in it)
         self.stats = GenerationStats(self.n_layer, self.early_exit)
         # what the registry says of a model its GGUF does not: a template where it has none, base models
         entry = entry_for_file(model_path)
@@ -108,10 +110,11 @@ class Engine:
 
     # --- one token -------------------------------------------------------------------------
 
-    def _forward(self, token: int) -> TokenRecord:
-        """Decode one token; its record (id filled in later) and the logits stay in self.ctx."""
+    def step(self, token: int) -> TokenRecord:
+        """Decode one token: its record (id and text filled in by the caller that samples the next one);
+        the logits for the next token are then in logits(). The path of one token, top to bottom."""
         t0 = time.perf_counter()
-        self._exit_layer = None
+        self._last_step = None
         self._history.extend([token])      # before the decode: an interrupted one is undone by _sync_cache
         if not self.early_exit or self.policy.idle:
             self.ctx.decode([token])
@@ -120,9 +123,9 @@ class Engine:
         self.policy.begin_token(lookup)    # the layers the schedule checks; the lookup candidate goes first
         self.ctx.decode([token])           # draft -> layers -> probe -> predictor -> verify -> KV, in llama_decode
         t1 = time.perf_counter()
-        step = self.policy.end_token()     # exit layer, candidates; the online schedule learns it
-        self._exit_layer = step.exit_layer
+        step = self._last_step = self.policy.end_token()  # exit, candidates; the online schedule learns it
         return TokenRecord(-1, "", step.exit_layer, step.probes, step.verify_failures, None,
+                           exit_kind=step.exit_kind, candidates=step.candidates,
                            draft_ms=step.draft_ms, forward_ms=(t1 - t0) * 1e3,
                            predictor_ms=step.predictor_ms, verify_ms=step.verify_ms)
 
@@ -148,15 +151,28 @@ class Engine:
             self.policy.begin_prompt(probes=len(batch) > 1)
         self._history.extend(batch)
         self.ctx.decode(batch)
-        self._exit_layer = None
+        self._last_step = None
+
+    def temperature(self) -> float:
+        """What the last step's logits are divided by: its exit layer's calibrated temperature (1 without an exit)."""
+        step = self._last_step
+        return self.policy.temperature(step.exit_layer) if step is not None and step.exit_layer is not None else 1.0
 
     def logits(self) -> np.ndarray:
         """The last token's next-token logits; an early exit's are divided by its layer's calibrated
-        temperature, so that their softmax matches the full model's (greedy decoding is unaffected)."""
+        temperature, so that their softmax matches the full model's (greedy decoding is unaffected).
+        After a head-free exit only the k candidates' logits are finite: sampling draws among them."""
+        temperature = self.temperature()
         logits = self.ctx.logits()
-        if self._exit_layer is None or not self.policy:
-            return logits
-        return logits / np.float32(self.policy.temperature(self._exit_layer))
+        return logits if temperature == 1.0 else logits / np.float32(temperature)
+
+    def full_logits(self) -> np.ndarray:
+        """logits(), except after a head-free exit: the exit layer's full-vocabulary logits, computed now
+        (the step skipped them; what perplexity needs, not what decoding pays), divided alike."""
+        step = self._last_step
+        if step is None or step.exit_kind != ExitKind.HEAD_FREE:
+            return self.logits()
+        return self.ctx.exit_head_logits() / np.float32(self.temperature())
 
     # --- generation ------------------------------------------------------------------------
 
@@ -201,10 +217,10 @@ class Engine:
                 token = sample(self.logits(), sampling, rng, history)
                 record.id = token
                 record.sample_ms = (time.perf_counter() - t_sample) * 1e3
-                if self.early_exit and n > 0:
-                    record.draft_hit = token in self.policy.candidates
+                if record.candidates:  # the step had candidates (a graph without them reports none)
+                    record.draft_hit = token in record.candidates
                     lookup = self.policy.lookup  # None, or not used when the step's graph had no draft
-                    record.lookup_hit = token == lookup if lookup in self.policy.candidates else None
+                    record.lookup_hit = token == lookup if lookup in record.candidates else None
                 if n == 0:
                     stats.prompt_s = time.perf_counter() - t0
                 else:
@@ -230,7 +246,7 @@ class Engine:
                     return
                 yield record
                 t0 = time.perf_counter()
-                record = self._forward(token)
+                record = self.step(token)
             stats.finish_reason = "length"
             record.text += stops.flush()
             yield record

@@ -2,12 +2,14 @@
 
 By default all of it runs inside llama_decode (the native policy): the pack's draft head proposes the
 candidates at the start of the graph, each scheduled layer's predictor runs in C on the probe's
-candidate logits, and a positive prediction is verified there (the layer's exit logits must put a
-candidate first, otherwise the token keeps going). Python only loads the pack, sets the schedule and
-thresholds, and reads one StepInfo per token.
+candidate logits, and a positive prediction leaves as the layer's exit says: head-free at once, with
+the candidates' logits, or verified (the layer's exit logits must put a candidate first, otherwise the
+token keeps going). Python only loads the pack, sets the schedule and the exits, and reads one StepInfo
+per token.
 
-The Python policy (`native=False`) makes the same decisions in `on_probe`, called by the runtime after
-each scheduled layer: slower, for research on other exit rules.
+The Python policy (`native=False`) makes the same decisions in `on_probe` through the same exit rule
+(predictor/rule.py), called by the runtime after each scheduled layer: slower, for research on other
+exit rules.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import numpy as np
 
 from specee_edge.draft import LinearDraft
 from specee_edge.errors import SpecEEError
+from specee_edge.exits import ExitKind
 from specee_edge.pack import Pack, QualityLevel, check_target, read_pack, target_identity
+from specee_edge.pack.format import OFF, LayerExit
 from specee_edge.predictor import MLPPredictor
-from specee_edge.predictor.features import probe_features
+from specee_edge.predictor.rule import Outcome, TokenChecks
 from specee_edge.predictor.schedule import OnlineSchedule
 from specee_edge.runtime import Context
 from specee_edge.runtime.context import StepInfo
@@ -70,27 +74,34 @@ class ExitPolicy:
         return policy
 
     def _configure(self) -> None:
-        """Thresholds and schedule from the level (or the overriding threshold); the context follows."""
+        """Exits and schedule from the level (or the overriding threshold); the context follows."""
         level = self.level
         if self.threshold is not None:
-            self.thresholds = {il: self.threshold for il in self.predictors}
+            self.exits = {il: LayerExit(self._override_kind(il), self.threshold) for il in self.predictors}
         elif level is not None:
-            self.thresholds = dict(level.thresholds)
+            self.exits = dict(level.exits)
         else:
-            self.thresholds = {il: self.pack.threshold for il in self.predictors}
+            self.exits = {il: LayerExit(self._override_kind(il), self.pack.threshold) for il in self.predictors}
         if level is not None and self.threshold is None:
             offline = level.offline
         else:  # one threshold everywhere: every layer any level checks from the start
             offline = sorted({il for lv in self.pack.levels for il in lv.offline} | set(self.pack.schedule.offline))
         schedule = dataclasses.replace(self.pack.schedule, offline=offline)
-        # a level turns a layer off with threshold 1: the schedule never checks it. An explicit threshold
-        # keeps every layer checked (above 1 that measures the machinery with exits impossible).
-        checked = set(self.predictors) if self.threshold is not None else {il for il, t in self.thresholds.items() if t < 1.0}
-        self.schedule = OnlineSchedule(schedule, checked)
+        # a level turns a layer off (its exit NONE): the schedule never checks it. An explicit threshold
+        # keeps every layer on (above 1 that measures the machinery with exits impossible).
+        self.schedule = OnlineSchedule(schedule, {il for il, e in self.exits.items() if e.on})
         self._probe_layers: list[int] | None = None  # what the context holds; None: set it at the next token
         if self.ctx is not None and self.native:
-            for layer, threshold in self.thresholds.items():
-                self.ctx.set_threshold(layer, threshold)
+            for layer, exit in self.exits.items():
+                self.ctx.set_exit(layer, exit.kind, exit.threshold)
+
+    def _override_kind(self, layer: int) -> ExitKind:
+        """A layer's kind under --threshold: the default level's where it has one on, else verified (the
+        last layer, whose exit head is the output head, head-free)."""
+        default = self.pack.level()
+        if default is not None and default.exits.get(layer, OFF).on:
+            return default.exits[layer].kind
+        return ExitKind.HEAD_FREE if layer == self.pack.target.n_layer - 1 else ExitKind.VERIFIED
 
     @property
     def idle(self) -> bool:
@@ -117,7 +128,8 @@ class ExitPolicy:
                       vocab_map=d.vocab_map, quant=d.quant)
         if self.native:
             for layer, mlp in self.predictors.items():
-                ctx.set_predictor(layer, mlp.weights, mlp.biases, self.thresholds[layer])
+                ctx.set_predictor(layer, mlp.weights, mlp.biases)
+                ctx.set_exit(layer, self.exits[layer].kind, self.exits[layer].threshold)
 
     def set_active(self, on: bool) -> None:
         """Off: no probe layers and no callback, so the context decodes like a plain one."""
@@ -160,11 +172,10 @@ class ExitPolicy:
         self._set_probe_layers()  # the schedule changes only after an exit
         self.lookup = lookup
         self.ctx.set_lookup([] if lookup is None else [lookup])
-        self.probes = 0
         self.verify_failures = 0
         self.predictor_s = 0.0
         self.verify_s = 0.0
-        self._prev_probs = None
+        self._checks = TokenChecks()
 
     def end_token(self) -> StepInfo:
         """What the step did; the schedule learns where it left."""
@@ -172,7 +183,7 @@ class ExitPolicy:
         self.candidates = info.candidates
         self.schedule.record_exit(info.exit_layer)
         if not self.native:  # the Python policy counts and times its own work
-            info = dataclasses.replace(info, probes=self.probes, verify_failures=self.verify_failures,
+            info = dataclasses.replace(info, probes=self._checks.probes, verify_failures=self.verify_failures,
                                        predictor_ms=self.predictor_s * 1e3, verify_ms=self.verify_s * 1e3)
         return info
 
@@ -182,18 +193,20 @@ class ExitPolicy:
             self.ctx.set_probe_layers(layers)
             self._probe_layers = layers
 
-    def on_probe(self, layer: int, cand_logits: np.ndarray) -> bool:
-        """The Python policy after `layer`: True stops the token here (its exit logits become the step's)."""
+    def on_probe(self, layer: int, cand_logits: np.ndarray) -> ExitKind:
+        """The Python policy after `layer`: how the token leaves here (NONE: it goes on)."""
         t0 = time.perf_counter()
-        features, self._prev_probs = probe_features(cand_logits, self._prev_probs)
-        self.probes += 1
-        positive = self.predictors[layer](features) > self.thresholds[layer]
+        outcome, _ = self._checks.check(cand_logits, self.predictors[layer], self.exits[layer])
         t1 = time.perf_counter()
         self.predictor_s += t1 - t0
-        if not positive:
-            return False
-        top1 = int(np.argmax(self.ctx.probe_logits()))
-        hit = top1 in self.ctx.step_info().candidates
+        if outcome == Outcome.GO_ON:
+            return ExitKind.NONE
+        if outcome == Outcome.HEAD_FREE:
+            return ExitKind.HEAD_FREE
+        try:
+            hit = int(np.argmax(self.ctx.probe_logits())) in self.ctx.step_info().candidates
+        except SpecEEError:  # no memory for the exit head: no exit
+            hit = False
         self.verify_s += time.perf_counter() - t1
         self.verify_failures += not hit
-        return hit
+        return ExitKind.VERIFIED if hit else ExitKind.NONE

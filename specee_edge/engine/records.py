@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from specee_edge.exits import ExitKind
+
 
 @dataclass
 class TokenRecord:
@@ -11,11 +13,13 @@ class TokenRecord:
 
     id: int
     text: str                  # the piece this token adds to the reply (may be "" mid-character or held for a stop string)
-    exit_layer: int | None     # None: the token ran every layer
+    exit_layer: int | None     # None: the token ran every layer and the output head
     probes: int                # predictors evaluated
     verify_failures: int       # positive predictions whose exit logits' top-1 was not a candidate
     draft_hit: bool | None     # the emitted token was among the step's candidates (None: early exit off)
     lookup_hit: bool | None = None  # it was the prompt-lookup candidate (None: there was none)
+    exit_kind: ExitKind = ExitKind.NONE  # how the step that gave this token's logits left
+    candidates: tuple[int, ...] = ()     # that step's candidates (a head-free exit chose among them)
     draft_ms: float = 0.0      # inside forward_ms: the in-graph draft head (measured with EngineConfig.profile)
     forward_ms: float = 0.0    # llama_decode: draft, layers, probes, predictor, verification, KV handling
     predictor_ms: float = 0.0  # inside forward_ms: features and MLPs
@@ -32,11 +36,13 @@ class GenerationStats:
     prompt_s: float = 0.0
     decode_s: float = 0.0
     exits: int = 0
+    head_free_exits: int = 0      # ... of which left with the candidates' logits (no full-vocabulary head)
     exit_layer_sum: int = 0
     probes: int = 0
     verify_failures: int = 0
     positives: int = 0
     draft_hits: int = 0
+    drafted: int = 0              # steps whose graph proposed candidates (the draft ran)
     lookup_proposals: int = 0     # steps with a prompt-lookup candidate
     lookup_hits: int = 0          # ... that was the emitted token
     finish_reason: str = ""       # "stop" (EOS or a stop string), "length", "interrupted"
@@ -48,11 +54,13 @@ class GenerationStats:
         self.exit_layers.append(record.exit_layer)
         if record.exit_layer is not None:
             self.exits += 1
+        self.head_free_exits += record.exit_kind == ExitKind.HEAD_FREE
         self.exit_layer_sum += self.n_layer - 1 if record.exit_layer is None else record.exit_layer
         self.probes += record.probes
         self.verify_failures += record.verify_failures
-        self.positives += record.verify_failures + (record.exit_layer is not None)
+        self.positives += record.verify_failures + (record.exit_kind == ExitKind.VERIFIED)
         self.draft_hits += bool(record.draft_hit)
+        self.drafted += bool(record.candidates)
         self.lookup_proposals += record.lookup_hit is not None
         self.lookup_hits += bool(record.lookup_hit)
         for key in self.time_ms:
@@ -72,7 +80,13 @@ class GenerationStats:
 
     @property
     def exit_rate(self) -> float:
+        """Tokens that left before the full path's end: after fewer layers, or without the output head."""
         return self.exits / self.n_decode if self.n_decode else 0.0
+
+    @property
+    def head_free_rate(self) -> float:
+        """Tokens emitted from the candidates' logits, no full-vocabulary head run."""
+        return self.head_free_exits / self.n_decode if self.n_decode else 0.0
 
     @property
     def predictor_calls_per_token(self) -> float:
@@ -80,7 +94,7 @@ class GenerationStats:
 
     @property
     def verify_fail_rate(self) -> float:
-        """Share of positive predictions that verification rejected."""
+        """Share of verified positive predictions that verification rejected."""
         return self.verify_failures / self.positives if self.positives else 0.0
 
     @property
@@ -107,6 +121,7 @@ class GenerationStats:
             decode_tok_s=self.decode_tok_s,
             avg_exit_layer=self.avg_exit_layer,
             exit_rate=self.exit_rate,
+            head_free_rate=self.head_free_rate,
             predictor_calls_per_token=self.predictor_calls_per_token,
             verify_fail_rate=self.verify_fail_rate,
             draft_recall_at_k=self.draft_recall_at_k,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specee_edge.errors import SpecEEError
+from specee_edge.exits import ExitKind
 from specee_edge.pack.mlp import MLPPredictor
 
 
@@ -17,7 +18,8 @@ class PackLevelError(SpecEEError):
     """A quality level the pack does not offer."""
 
 PACK_ARCH = "specee-pack"  # general.architecture of every pack
-FORMAT_VERSION = 2  # 2: quality levels and temperatures; version 1 packs must be recalibrated
+FORMAT_VERSION = 3  # 3: an exit kind per layer and level; 2 (every exit verified) still reads; 1 must be recalibrated
+OLDEST_VERSION = 2
 FEATURES = ("logits", "probs", "delta")  # per candidate, in this order: 3k features
 
 KEY_VERSION = "specee.version"
@@ -33,7 +35,9 @@ KEY_PREDICTOR_LAYERS = "specee.predictor.layers"
 KEY_TEMPERATURES = "specee.predictor.temperatures"  # optional, per predictor layer: exit logits are divided by it
 KEY_LEVELS = "specee.quality.levels"  # optional, ascending agreement targets; each has the keys of level_key()
 KEY_DEFAULT_QUALITY = "specee.quality.default"  # one of the levels
-LEVEL_FIELDS = ("thresholds", "offline", "exit_rate", "agreement", "layer_speedup", "verify_fail_rate")
+LEVEL_FIELDS = ("thresholds", "kinds", "offline", "exit_rate", "agreement", "layer_speedup", "verify_fail_rate",
+                "speedup", "head_free_rate", "steps", "identical", "identical_code")
+LEVEL_FIGURES = LEVEL_FIELDS[3:]  # floats measured when the level was chosen (format 2 has only the first four)
 KEY_OFFLINE_LAYERS = "specee.schedule.offline"
 KEY_WINDOW = "specee.schedule.window"
 KEY_OFFSETS = "specee.schedule.offsets"
@@ -88,19 +92,62 @@ class Schedule:
     offsets: list[int] = field(default_factory=lambda: [-2, 0, 2])
 
 
+@dataclass(frozen=True)
+class LayerExit:
+    """How a layer lets a token leave at a quality level: its exit kind, above which probability."""
+
+    kind: ExitKind
+    threshold: float
+
+    @property
+    def on(self) -> bool:
+        return self.kind != ExitKind.NONE
+
+
+OFF = LayerExit(ExitKind.NONE, 1.0)
+
+
 @dataclass
 class QualityLevel:
-    """One setting of the quality dial: every predictor layer's threshold and the offline schedule,
-    chosen together so that the expected agreement with the full model over a reply is `quality`.
-    The expectations were measured on held-out calibration answers."""
+    """One setting of the quality dial: every predictor layer's exit (kind and threshold) and the offline
+    schedule, chosen together so that the expected agreement with the full model over a reply is
+    `quality`. The expectations were measured on held-out calibration answers."""
 
     quality: float                 # the agreement asked for
-    thresholds: dict[int, float]   # per predictor layer; 1.0: the layer never fires at this level
+    exits: dict[int, LayerExit]    # per predictor layer; OFF: the layer never exits at this level
     offline: list[int]             # the offline schedule at this level
     exit_rate: float = 0.0         # expected, held out
     agreement: float = 1.0
     layer_speedup: float = 1.0     # n_layer / layers run, overheads excluded
-    verify_fail_rate: float = 0.0  # of positive predictions
+    verify_fail_rate: float = 0.0  # of verified positive predictions
+    speedup: float = 1.0           # predicted from the measured costs of its decisions, against plain decoding
+    head_free_rate: float = 0.0    # tokens emitted from the candidates' logits
+    steps: float = 0.0             # held-out steps behind agreement (0: not measured)
+    identical: float = -1.0        # held-out greedy answers identical to the full model's (-1: not measured)
+    identical_code: float = -1.0   # ... of code prompts
+    @property
+    def thresholds(self) -> dict[int, float]:
+        return {il: e.threshold for il, e in self.exits.items()}
+
+    @property
+    def off(self) -> bool:
+        """Every layer off: the engine decodes plainly."""
+        return not self.on_layers
+
+    def agreement_interval(self, z: float = 1.96) -> tuple[float, float]:
+        """Wilson's 95% interval of the held-out agreement (the point itself if no steps were counted)."""
+        n = self.steps
+        if n <= 0:
+            return self.agreement, self.agreement
+        p = self.agreement
+        centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+        half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+        return float(centre - half), float(min(centre + half, 1.0))
+
+    @property
+    def on_layers(self) -> list[int]:
+        """The layers that can exit at this level, ascending."""
+        return sorted(il for il, e in self.exits.items() if e.on)
 
 
 @dataclass

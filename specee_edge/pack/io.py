@@ -10,7 +10,9 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from specee_edge.errors import SpecEEError
+from specee_edge.errors import ModelLoadError, SpecEEError
+from specee_edge.exits import ExitKind
+from specee_edge.gguf_index import GGUFIndex
 from specee_edge.pack.format import (
     DRAFT_PREFIX,
     DRAFT_VOCAB_MAP,
@@ -35,9 +37,12 @@ from specee_edge.pack.format import (
     KEY_LOOKUP_MAX_N,
     KEY_VERSION,
     KEY_WINDOW,
-    LEVEL_FIELDS,
+    LEVEL_FIGURES,
+    OFF,
+    OLDEST_VERSION,
     PACK_ARCH,
     DraftHead,
+    LayerExit,
     Pack,
     QualityLevel,
     Schedule,
@@ -103,10 +108,12 @@ def write_pack(path: str | os.PathLike, pack: Pack, *, predictor_type: str = "f3
         writer.add_array(KEY_LEVELS, [float(level.quality) for level in pack.levels])
         writer.add_float32(KEY_DEFAULT_QUALITY, float(pack.level().quality))
     for i, level in enumerate(pack.levels):
-        writer.add_array(level_key(i, "thresholds"), [float(level.thresholds.get(il, 1.0)) for il in sorted(pack.predictors)])
+        exits = [level.exits.get(il, OFF) for il in sorted(pack.predictors)]
+        writer.add_array(level_key(i, "thresholds"), [float(e.threshold) for e in exits])
+        writer.add_array(level_key(i, "kinds"), [int(e.kind) for e in exits])
         if level.offline:  # GGUF has no empty arrays: a missing one reads as empty
             writer.add_array(level_key(i, "offline"), list(level.offline))
-        for name in LEVEL_FIELDS[2:]:
+        for name in LEVEL_FIGURES:
             writer.add_float32(level_key(i, name), float(getattr(level, name)))
     writer.add_array(KEY_OFFLINE_LAYERS, list(pack.schedule.offline))
     writer.add_uint32(KEY_WINDOW, pack.schedule.window)
@@ -166,8 +173,14 @@ def read_pack(path: str | os.PathLike) -> Pack:
     if not path.is_file():
         raise PackError(f"pack not found: {path}")
     try:
+        # gguf-py's reader walks an array element by element and never stops where a damaged length
+        # points past the file's end (it grows its lists until memory runs out): the bounds-checked
+        # index walks the header first
+        GGUFIndex(path)
         reader = gguf.GGUFReader(path)
         tensors = {t.name: t for t in reader.tensors}
+    except ModelLoadError as e:
+        raise PackError(f"cannot read pack {path.name}: {str(e).split(': ', 1)[-1]}") from None
     except Exception as e:  # gguf-py raises many kinds on a damaged file
         raise PackError(f"cannot read pack {path.name}: corrupt or truncated GGUF ({type(e).__name__})") from None
 
@@ -176,10 +189,10 @@ def read_pack(path: str | os.PathLike) -> Pack:
         found = arch.contents() if arch is not None else "unknown"
         raise PackError(f"{path.name} is not a specee pack (its architecture is {found!r})")
     version = _field(reader, KEY_VERSION, int, path)
-    if version < FORMAT_VERSION:
+    if version < OLDEST_VERSION:
         raise PackError(f"{path.name} is a version {version} pack (no quality levels): recalibrate it with"
                         f" `specee-edge calibrate MODEL.gguf -o {path.name}`")
-    if version != FORMAT_VERSION:
+    if version > FORMAT_VERSION:
         raise PackError(f"{path.name} has pack format version {version}; this specee-edge reads version {FORMAT_VERSION}"
                         " (a newer specee-edge wrote it)")
 
@@ -240,6 +253,16 @@ def _decode(reader: gguf.GGUFReader, tensors: dict, path: Path) -> Pack:
             raise PackError(f"{path.name}: {key} has {len(values)} values for {len(predictors)} predictors")
         return dict(zip(sorted(predictors), (float(v) for v in values)))
 
+    def level_exits(i: int) -> dict[int, LayerExit]:
+        thresholds = per_layer(level_key(i, "thresholds"))
+        if reader.get_field(level_key(i, "kinds")) is None:  # format 2: every exit verified
+            return {il: LayerExit(ExitKind.VERIFIED, t) if t < 1.0 else OFF for il, t in thresholds.items()}
+        kinds = per_layer(level_key(i, "kinds"))
+        try:
+            return {il: LayerExit(ExitKind(int(kinds[il])), t) for il, t in thresholds.items()}
+        except ValueError:
+            raise PackError(f"{path.name}: {level_key(i, 'kinds')} holds an unknown exit kind") from None
+
     temperatures = per_layer(KEY_TEMPERATURES) if reader.get_field(KEY_TEMPERATURES) is not None else {}
     levels, default_quality = [], None
     if reader.get_field(KEY_LEVELS) is not None:
@@ -247,9 +270,10 @@ def _decode(reader: gguf.GGUFReader, tensors: dict, path: Path) -> Pack:
             offline = reader.get_field(level_key(i, "offline"))
             levels.append(QualityLevel(
                 round(float(quality), 6),  # stored as float32: 0.9 reads back as 0.89999998
-                per_layer(level_key(i, "thresholds")),
+                level_exits(i),
                 [int(x) for x in offline.contents()] if offline is not None else [],
-                **{name: float(_field(reader, level_key(i, name), float, path)) for name in LEVEL_FIELDS[2:]}))
+                **{name: float(_field(reader, level_key(i, name), float, path)) for name in LEVEL_FIGURES
+                   if name in LEVEL_FIGURES[:4] or reader.get_field(level_key(i, name)) is not None}))
         default_quality = round(float(_field(reader, KEY_DEFAULT_QUALITY, float, path)), 6)
     try:
         provenance = json.loads(_field(reader, KEY_PROVENANCE, str, path))
@@ -302,14 +326,16 @@ def validate(pack: Pack, *, name: str = "pack") -> None:
     last = t.n_layer - 1
     offline_sets = [pack.schedule.offline, *(level.offline for level in pack.levels)]
     for layer in [*pack.predictors, *(il for offline in offline_sets for il in offline)]:
-        if not 0 <= layer < last:
-            fail(f"layer {layer} is out of range [0, {last}) for a {t.n_layer}-layer target")
+        if not 0 <= layer <= last:
+            fail(f"layer {layer} is out of range [0, {t.n_layer}) for a {t.n_layer}-layer target")
     for offline in offline_sets:
         if missing := set(offline) - set(pack.predictors):
             fail(f"an offline schedule names layers without a predictor: {sorted(missing)}")
     for level in pack.levels:
-        if set(level.thresholds) != set(pack.predictors) or not all(0.0 < v <= 1.0 for v in level.thresholds.values()):
+        if set(level.exits) != set(pack.predictors) or not all(0.0 < e.threshold <= 1.0 for e in level.exits.values()):
             fail(f"quality {level.quality:g}: thresholds must be in (0, 1], one per predictor layer")
+        if level.exits.get(last, OFF).kind == ExitKind.VERIFIED:
+            fail(f"quality {level.quality:g}: the last layer's exit cannot be verified (its exit head is the output head)")
     if not 0 <= pack.schedule.window <= 64 or any(abs(o) > t.n_layer for o in pack.schedule.offsets):
         fail("implausible online window or offsets")
 

@@ -1,4 +1,4 @@
-"""Exit predictors: features and the per-layer MLP."""
+"""Exit predictors: the per-layer MLP, the exit rule that uses it, and the online schedule."""
 
 from specee_edge.pack.mlp import MLPPredictor
 

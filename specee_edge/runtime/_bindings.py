@@ -27,8 +27,10 @@ class TokenInfo(ctypes.Structure):
 
     _fields_ = [
         ("exit_layer", ctypes.c_int32),
+        ("exit_kind", ctypes.c_int32),
         ("n_probes", ctypes.c_int32),
         ("n_verify_fail", ctypes.c_int32),
+        ("n_heads", ctypes.c_int32),
         ("n_cand", ctypes.c_int32),
         ("cand", ctypes.c_int32 * MAX_CANDIDATES),
         ("t_draft_us", ctypes.c_int64),
@@ -37,18 +39,34 @@ class TokenInfo(ctypes.Structure):
         ("graph_probes", ctypes.c_int32),
         ("graph_draft", ctypes.c_int32),
         ("graph_depth_mask", ctypes.c_int32),
+        ("graph_eval_callback", ctypes.c_int32),
     ]
 
 
-# bool (*)(int32_t il, const float * cand_logits, int32_t n_cand, void * user_data)
+class Decision(ctypes.Structure):
+    """struct llama_specee_decision: what the exit rule decided over a sequence of checks."""
+
+    _fields_ = [
+        ("exit_layer", ctypes.c_int32),
+        ("exit_kind", ctypes.c_int32),
+        ("n_probes", ctypes.c_int32),
+        ("n_verify_fail", ctypes.c_int32),
+    ]
+
+
+# int32_t (*)(int32_t il, const float * cand_logits, int32_t n_cand, void * user_data): an exit kind
 probe_callback_t = ctypes.CFUNCTYPE(
-    ctypes.c_bool, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_int32, ctypes.c_void_p
+    ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_int32, ctypes.c_void_p
 )
 
 _floats = ctypes.POINTER(ctypes.c_float)
 
 _SIGNATURES: dict[str, tuple[list, object]] = {
     "llama_specee_supported": ([llama_model_p], ctypes.c_int32),
+    "llama_specee_arch": (
+        [ctypes.c_int32, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int32)],
+        ctypes.c_int32,
+    ),
     "llama_specee_enable": ([llama_context_p, ctypes.c_int32, ctypes.c_int], ctypes.c_int32),
     "llama_specee_set_probe_layers": (
         [llama_context_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32],
@@ -60,8 +78,11 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     ),
     "llama_specee_set_callback": ([llama_context_p, probe_callback_t, ctypes.c_void_p], None),
     "llama_specee_probe_logits": ([llama_context_p], ctypes.POINTER(ctypes.c_float)),
+    "llama_specee_exit_head_logits": ([llama_context_p], ctypes.POINTER(ctypes.c_float)),
     "llama_specee_exit_layer": ([llama_context_p], ctypes.c_int32),
     "llama_specee_resume": ([llama_context_p], ctypes.c_int32),
+    "llama_specee_forget": ([llama_context_p], None),
+    "llama_specee_fail_allocations": ([llama_context_p, ctypes.c_int32], None),
     "llama_specee_set_capture_layers": (
         [llama_context_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32],
         ctypes.c_int32,
@@ -78,10 +99,15 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     ),
     "llama_specee_set_lookup": ([llama_context_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32], ctypes.c_int32),
     "llama_specee_set_predictor": (
-        [llama_context_p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), _floats, ctypes.c_float],
+        [llama_context_p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), _floats],
         ctypes.c_int32,
     ),
-    "llama_specee_set_threshold": ([llama_context_p, ctypes.c_int32, ctypes.c_float], ctypes.c_int32),
+    "llama_specee_set_exit": ([llama_context_p, ctypes.c_int32, ctypes.c_int, ctypes.c_float], ctypes.c_int32),
+    "llama_specee_decide": (
+        [llama_context_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), _floats, ctypes.POINTER(ctypes.c_uint8),
+         ctypes.POINTER(Decision)],
+        ctypes.c_int32,
+    ),
     "llama_specee_predictor_prob": ([llama_context_p, ctypes.c_int32, _floats], ctypes.c_float),
     "llama_specee_set_timing": ([llama_context_p, ctypes.c_bool], None),
     "llama_specee_get_token_info": ([llama_context_p, ctypes.POINTER(TokenInfo)], ctypes.c_int32),

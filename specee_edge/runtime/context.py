@@ -7,6 +7,7 @@ One sequence per context; positions follow the KV cache (each decode appends).
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -15,12 +16,14 @@ from llama_cpp import llama_cpp as _llama
 
 from specee_edge.archs import SUPPORTED
 from specee_edge.errors import ContextFullError, SpecEEError, UnsupportedModelError
-from specee_edge.runtime._bindings import C, KV_MODES, MAX_CANDIDATES, TokenInfo, probe_callback_t
+from specee_edge.exits import ExitKind
+from specee_edge.runtime._bindings import C, KV_MODES, MAX_CANDIDATES, Decision, TokenInfo, probe_callback_t
 from specee_edge.runtime.model import Model
 
-# called after an active probe with (layer, candidate logits); returns True to stop the token there.
-# The logits are a view of a buffer the next probe overwrites: copy them to keep them.
-ProbeCallback = Callable[[int, np.ndarray], bool]
+# called after an active probe with (layer, candidate logits); returns how the token leaves there:
+# ExitKind.NONE (or False) goes on, VERIFIED (or True) stops with the layer's exit head, HEAD_FREE stops
+# with the candidates' logits. The logits are a view of a buffer the next probe overwrites: copy them to keep them.
+ProbeCallback = Callable[[int, np.ndarray], "ExitKind | bool"]
 
 SEQ = 0
 
@@ -32,9 +35,11 @@ DRAFT_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
 class StepInfo:
     """What the last single-token decode did inside llama_decode. Times in milliseconds."""
 
-    exit_layer: int | None     # None: every layer ran
+    exit_layer: int | None     # None: every layer ran and the output head gave the logits
+    exit_kind: ExitKind        # how it left (NONE without an exit)
     probes: int                # native predictors evaluated
     verify_failures: int       # positive predictions whose exit top-1 was not a candidate
+    heads: int                 # full-vocabulary heads run: exit heads and the output head (0: head-free)
     candidates: tuple[int, ...]  # this step's candidates for the next token, best first
     draft_ms: float            # graph start to the draft's candidates (0 unless timing is on)
     predictor_ms: float
@@ -46,9 +51,10 @@ class StepInfo:
 class GraphInfo:
     """What the last decode's graph held beyond the stock one."""
 
-    probes: int         # layers with a candidate probe
+    probes: int         # layers with a candidate probe (the last layer's included)
     draft: bool         # the draft head (else the candidates were an input, or there were none)
     depth_mask: bool    # the per-layer depth bias (only while a cached cell is shallow)
+    eval_callback: bool  # the scheduler called back per node (only while a probe, capture or timing asks)
 
 
 def _floats(array: np.ndarray) -> ctypes._Pointer:
@@ -75,6 +81,8 @@ class Context:
         """`swa_full`: a sliding-window model keeps every token's K/V in its window cache (llama.cpp's
         default), so that truncating the cache never leaves the window short of tokens it needs."""
         self.model = model
+        if n_batch < 2:
+            raise SpecEEError(f"n_batch must be at least 2 (a prompt is decoded in batches, which never exit), got {n_batch}")
         params = _llama.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch
@@ -94,7 +102,10 @@ class Context:
         self.n_cand = 0
         self.kv_mode: str | None = None
         self._probe_callback: ProbeCallback | None = None
-        self._c_callback = probe_callback_t(self._on_probe)  # kept alive as long as the context
+        # kept alive as long as the context; it holds the context weakly, so that no reference cycle
+        # delays llama_free until the garbage collector finds it
+        this = weakref.ref(self)
+        self._c_callback = probe_callback_t(lambda il, z, n, _: this()._on_probe(il, z, n) if this() else 0)
         self._callback_error: BaseException | None = None
         self._cand_view: np.ndarray | None = None
 
@@ -125,13 +136,14 @@ class Context:
         self._cand_view = None
 
     def set_probe_layers(self, layers: Sequence[int]) -> None:
-        """Layers where the token may stop (the schedule), each in [0, n_layer - 1). Graphs hold probes only
-        while one of them has a predictor or a callback is set; [] turns early exit off."""
+        """Layers where the token may stop (the schedule), each in [0, n_layer): after the last layer a stop
+        skips the output head. Graphs hold probes only while one of them has an exit on or a callback is
+        set; [] turns early exit off."""
         self._require_early_exit()
-        last = self.model.info.n_layer - 1
+        n_layer = self.model.info.n_layer
         for il in layers:
-            if not 0 <= il < last:
-                raise SpecEEError(f"probe layer {il} is out of range [0, {last})")
+            if not 0 <= il < n_layer:
+                raise SpecEEError(f"probe layer {il} is out of range [0, {n_layer})")
         if C["llama_specee_set_probe_layers"](self._ctx, _int32_array(layers), len(layers)) != 0:
             raise SpecEEError("llama_specee_set_probe_layers failed")
 
@@ -169,28 +181,40 @@ class Context:
             raise SpecEEError(f"llama_specee_set_draft failed ({rc}): draft ids must be in [0, {self.n_vocab}) and"
                               f" at least {self.n_cand}, rows a multiple of the {quant} block")
 
-    def set_predictor(self, layer: int, weights: Sequence[np.ndarray], biases: Sequence[np.ndarray],
-                      threshold: float) -> None:
+    def set_predictor(self, layer: int, weights: Sequence[np.ndarray], biases: Sequence[np.ndarray]) -> None:
         """The native exit predictor after `layer`: dense layers ([out, in] weights), ReLU between, a sigmoid
-        out; the token stops there when it exceeds `threshold` and verification agrees."""
+        out. It decides nothing until set_exit gives the layer an exit kind and threshold."""
         self._require_early_exit()
+        weights = [np.ascontiguousarray(w, np.float32) for w in weights]
+        biases = [np.ascontiguousarray(b, np.float32).reshape(-1) for b in biases]
+        n_in = 3 * self.n_cand
+        for j, (w, b) in enumerate(zip(weights, biases, strict=True)):
+            if w.ndim != 2 or w.shape[1] != n_in or b.shape != (w.shape[0],):
+                raise SpecEEError(f"predictor for layer {layer}: dense layer {j} has weight {w.shape} and bias {b.shape},"
+                                  f" expected [out, {n_in}] and [out]")
+            n_in = w.shape[0]
+        if not weights or n_in != 1:
+            raise SpecEEError(f"predictor for layer {layer}: {3 * self.n_cand} features in, 1 out")
         dims = [weights[0].shape[1], *(w.shape[0] for w in weights)]
-        params = np.concatenate([np.concatenate([np.asarray(w, np.float32).reshape(-1), np.asarray(b, np.float32).reshape(-1)])
-                                 for w, b in zip(weights, biases)])
-        rc = C["llama_specee_set_predictor"](self._ctx, layer, len(weights), _int32_array(dims), _floats(params), threshold)
+        params = np.concatenate([np.concatenate([w.reshape(-1), b]) for w, b in zip(weights, biases)])
+        rc = C["llama_specee_set_predictor"](self._ctx, layer, len(weights), _int32_array(dims), _floats(params))
         if rc != 0:
-            raise SpecEEError(f"predictor for layer {layer} rejected ({rc}): layers in [0, {self.model.info.n_layer - 1}),"
-                              f" {3 * self.n_cand} features in, 1 out")
+            raise SpecEEError(f"predictor for layer {layer} rejected ({rc}): layers in [0, {self.model.info.n_layer})")
 
     def clear_predictors(self) -> None:
         self._require_early_exit()
-        for layer in range(self.model.info.n_layer - 1):
-            C["llama_specee_set_predictor"](self._ctx, layer, 0, None, None, 0.0)
+        for layer in range(self.model.info.n_layer):
+            C["llama_specee_set_predictor"](self._ctx, layer, 0, None, None)
 
-    def set_threshold(self, layer: int, threshold: float) -> None:
+    def set_exit(self, layer: int, kind: ExitKind, threshold: float) -> None:
+        """How `layer`'s predictor lets a token leave: above `threshold`, verified by the exit head or
+        head-free (NONE: the layer is off and its probe leaves the graph)."""
         self._require_early_exit()
-        if C["llama_specee_set_threshold"](self._ctx, layer, threshold) != 0:
+        rc = C["llama_specee_set_exit"](self._ctx, layer, int(kind), threshold)
+        if rc == -1:
             raise SpecEEError(f"layer {layer} has no native predictor")
+        if rc != 0:
+            raise SpecEEError(f"layer {layer} cannot exit {ExitKind(kind).label}: the last layer's exit is head-free or off")
 
     def predictor_prob(self, layer: int, features: np.ndarray) -> float:
         """The native predictor of `layer` on one feature vector (3 * n_cand floats): its exit probability."""
@@ -202,6 +226,19 @@ class Context:
         if prob < 0:
             raise SpecEEError(f"layer {layer} has no native predictor")
         return float(prob)
+
+    def decide(self, layers: Sequence[int], cand_logits: np.ndarray, verified: Sequence[bool]) -> Decision:
+        """The native exit rule on given checks (what decode runs after each probe): layers in order,
+        cand_logits [len(layers), n_cand], verified[i] whether layer i's exit head would put a candidate first."""
+        self._require_early_exit()
+        z = np.ascontiguousarray(cand_logits, dtype=np.float32).reshape(len(layers), self.n_cand)
+        ok = np.ascontiguousarray(verified, dtype=np.uint8)
+        out = Decision()
+        rc = C["llama_specee_decide"](self._ctx, len(layers), _int32_array(layers), _floats(z),
+                                      ok.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), ctypes.byref(out))
+        if rc != 0:
+            raise SpecEEError(f"layers must be in [0, {self.model.info.n_layer}): {list(layers)}")
+        return out
 
     def set_timing(self, on: bool) -> None:
         """Time the draft inside the graph (one extra scheduler split per token)."""
@@ -224,13 +261,16 @@ class Context:
         C["llama_specee_get_token_info"](self._ctx, ctypes.byref(info))
         return StepInfo(
             exit_layer=None if info.exit_layer < 0 else info.exit_layer,
+            exit_kind=ExitKind(info.exit_kind),
             probes=info.n_probes,
             verify_failures=info.n_verify_fail,
+            heads=info.n_heads,
             candidates=tuple(info.cand[: info.n_cand]),
             draft_ms=info.t_draft_us / 1e3,
             predictor_ms=info.t_predictor_us / 1e3,
             verify_ms=info.t_verify_us / 1e3,
-            graph=GraphInfo(info.graph_probes, bool(info.graph_draft), bool(info.graph_depth_mask)),
+            graph=GraphInfo(info.graph_probes, bool(info.graph_draft), bool(info.graph_depth_mask),
+                            bool(info.graph_eval_callback)),
         )
 
     def set_probe_callback(self, callback: ProbeCallback | None) -> None:
@@ -247,16 +287,29 @@ class Context:
             raise SpecEEError("probe_logits() is only valid inside a probe callback")
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
-    def _on_probe(self, il: int, cand_logits, n_cand: int, _user_data) -> bool:
+    def exit_head_logits(self) -> np.ndarray:
+        """After an exit: the full-vocabulary logits of its layer (a head-free exit computes them now; the
+        step skipped them), a copy. Raises without an exit."""
+        ptr = C["llama_specee_exit_head_logits"](self._ctx) if self.n_cand else None
+        if not ptr:
+            raise SpecEEError("exit_head_logits() needs a token that exited (and memory for the exit head)")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def fail_allocations(self, n: int) -> None:
+        """Testing: the next n allocations of the exit head and fill graphs fail, as an out-of-memory would."""
+        self._require_early_exit()
+        C["llama_specee_fail_allocations"](self._ctx, n)
+
+    def _on_probe(self, il: int, cand_logits, n_cand: int) -> int:
         if self._callback_error is not None:
-            return False
+            return ExitKind.NONE
         if self._cand_view is None:  # the buffer is fixed for the life of the early-exit state
             self._cand_view = np.ctypeslib.as_array(cand_logits, shape=(n_cand,))
         try:
-            return bool(self._probe_callback(il, self._cand_view))
+            return int(self._probe_callback(il, self._cand_view))
         except BaseException as e:  # noqa: BLE001 - re-raised after llama_decode returns
             self._callback_error = e
-            return False
+            return ExitKind.NONE
 
     def _require_early_exit(self) -> None:
         if not self.n_cand:
@@ -284,8 +337,7 @@ class Context:
         for t in tokens:
             if not 0 <= t < self.n_vocab:
                 raise SpecEEError(f"token id {t} is out of range [0, {self.n_vocab})")
-        for start in range(0, len(tokens), self.n_batch):
-            chunk = tokens[start : start + self.n_batch]
+        for chunk in self._chunks(list(tokens)):
             if output_all:
                 rc = self._decode_all(chunk, self.n_past)
             else:  # llama_batch_get_one asks for the logits of the chunk's last token
@@ -297,6 +349,14 @@ class Context:
             if rc != 0:
                 raise SpecEEError(f"llama_decode failed ({rc})")
         return self.exit_layer
+
+    def _chunks(self, tokens: list[int]) -> list[list[int]]:
+        """`tokens` in llama_decode calls of at most n_batch tokens, none of a single token unless `tokens`
+        is one: a single-token decode is a step that may exit early, a batch (a prompt) never does."""
+        chunks = [tokens[i : i + self.n_batch] for i in range(0, len(tokens), self.n_batch)]
+        if len(chunks) > 1 and len(chunks[-1]) == 1:
+            chunks[-1].insert(0, chunks[-2].pop())
+        return chunks
 
     def _decode_all(self, chunk: Sequence[int], pos0: int) -> int:
         batch = _llama.llama_batch_init(len(chunk), 0, 1)
@@ -364,11 +424,21 @@ class Context:
 
     def clear(self) -> None:
         _llama.llama_memory_clear(self._mem, True)
+        self._forget()
 
     def truncate(self, n_keep: int) -> None:
         """Forget every position from `n_keep` on."""
+        if n_keep >= self.n_past:
+            return
         if not _llama.llama_memory_seq_rm(self._mem, SEQ, n_keep, -1):
             raise SpecEEError(f"could not remove positions from {n_keep} on")
+        self._forget()
+
+    def _forget(self) -> None:
+        """The early-exit state carries the last token's hidden state (the next draft's input) and, in full
+        mode, a stopped token's pending layers: neither may outlive the tokens they belong to."""
+        if self.n_cand:
+            C["llama_specee_forget"](self._ctx)
 
     def close(self) -> None:
         if getattr(self, "_ctx", None):
