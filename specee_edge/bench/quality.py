@@ -2,42 +2,54 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.special import log_softmax, softmax
 
-from specee_edge.engine import GREEDY, Engine
+from specee_edge.engine import GREEDY, Engine, TokenRecord
+from specee_edge.exits import ExitKind
 from specee_edge.runtime import Context
 
 
-def full_model_argmax(ctx: Context, prompt: Sequence[int], output: Sequence[int]) -> np.ndarray:
-    """Teacher forcing: the full model's argmax at each decode step of `output` (the steps giving output[1:]).
+def full_model_logits(ctx: Context, prompt: Sequence[int], output: Sequence[int]) -> Iterator[np.ndarray]:
+    """Teacher forcing: the full model's logits at each decode step of `output` (the steps giving output[1:]).
 
     One token per decode, as generation runs: a batched pass takes other matmul kernels and by itself
     disagrees with sequential greedy decoding on a few percent of near-tie steps.
     """
     ctx.clear()
     ctx.decode(list(prompt))
-    argmax = []
     for token in output[:-1]:
         ctx.decode([token])
-        argmax.append(int(np.argmax(ctx.logits())))
-    return np.array(argmax, dtype=np.int64)
+        yield ctx.logits()
 
 
-def agreement(ctx: Context, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
-              advance: Callable[[float], None] = lambda n: None) -> float:
-    """Share of decode steps whose token equals the full model's argmax there (1.0 without steps)."""
+@dataclass
+class Agreement:
+    agreement: float             # share of decode steps whose token equals the full model's argmax (1.0 without steps)
+    candidate_mass: float | None  # at head-free steps: the full model's probability mass on the step's candidates
+    head_free_steps: int
+
+
+def agreement(ctx: Context, prompts: Sequence[Sequence[int]], records: Sequence[Sequence[TokenRecord]],
+              advance: Callable[[float], None] = lambda n: None) -> Agreement:
+    """records: a lane's, one list per prompt (the first from the prompt pass). A head-free step chose among
+    its candidates only: what the full model would have given the rest is what sampling there leaves out."""
     matches = steps = 0
-    for prompt, output in zip(prompts, outputs):
+    masses = []
+    for prompt, answer in zip(prompts, records):
+        output = [r.id for r in answer]
         if len(output) < 2:
             continue
-        reference = full_model_argmax(ctx, prompt, output)
-        matches += int(np.sum(reference == np.asarray(output[1:])))
-        steps += len(reference)
-        advance(len(reference))
-    return matches / steps if steps else 1.0
+        for record, token, logits in zip(answer[1:], output[1:], full_model_logits(ctx, prompt, output)):
+            matches += int(np.argmax(logits)) == token
+            steps += 1
+            if record.exit_kind == ExitKind.HEAD_FREE:
+                masses.append(float(softmax(logits.astype(np.float64))[list(record.candidates)].sum()))
+        advance(len(output) - 1)
+    return Agreement(matches / steps if steps else 1.0, float(np.mean(masses)) if masses else None, len(masses))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -55,21 +67,20 @@ def exact_prefix(reference: Sequence[Sequence[int]], outputs: Sequence[Sequence[
 
 
 def log_softmax_at(logits: np.ndarray, token: int) -> float:
-    z = logits.astype(np.float64)
-    top = z.max()
-    return float(z[token] - top - np.log(np.sum(np.exp(z - top))))
+    return float(log_softmax(logits.astype(np.float64))[token])
 
 
 @dataclass
 class Perplexity:
-    value: float  # the engine's logits: exits divided by their layer's calibrated temperature
-    raw: float    # the exits' logits as the layer computes them
+    value: float  # the exit layers' full distributions, divided by their layer's calibrated temperature
+    raw: float    # the same without the temperatures
 
 
 def perplexity(engine: Engine, tokens: Sequence[int], *, early_exit: bool,
                advance: Callable[[float], None] = lambda n: None) -> Perplexity:
     """Teacher forcing through the engine one token at a time, exits on or off: exp(mean NLL of tokens[1:]),
-    with and without the pack's temperatures (one pass: the tokens' exits are the same)."""
+    with and without the pack's temperatures (one pass: the tokens' exits are the same). A head-free exit's
+    step holds only its candidates' logits: its layer's full ones are computed for this (Engine.full_logits)."""
     previous = engine.early_exit
     engine.set_early_exit(early_exit)
     engine.reset()
@@ -78,10 +89,11 @@ def perplexity(engine: Engine, tokens: Sequence[int], *, early_exit: bool,
             pass
         nll = raw_nll = 0.0
         for i, token in enumerate(tokens[1:], 1):
-            nll -= log_softmax_at(engine.logits(), token)
-            raw_nll -= log_softmax_at(engine.ctx.logits(), token)
+            full = engine.full_logits()
+            nll -= log_softmax_at(full, token)
+            raw_nll -= log_softmax_at(full * np.float32(engine.temperature()), token)
             if i < len(tokens) - 1:
-                engine._forward(token)  # the token's step, exits as the policy decides
+                engine.step(token)  # the token's step, exits as the policy decides
             advance(1)
     finally:
         engine.set_early_exit(previous)

@@ -12,7 +12,7 @@ from rich import box
 from rich.console import Group
 from rich.table import Table
 
-from specee_edge.bench.oracle import TimeModel
+from specee_edge.runtime.costs import TokenCosts
 
 TIME_PARTS = ("draft", "layers", "predictor", "verify", "other", "sample")
 HISTOGRAM_WIDTH = 48  # text cells shared by the histogram's bars (80-column terminals)
@@ -27,13 +27,17 @@ class ModeResult:
     steps: int                        # timed decode steps (each prompt's first token comes from the prompt pass)
     specee_tok_s: float
     speedup: float
-    gain_captured: float | None       # None when oracle_speedup is 1 (nothing to capture)
+    gain_captured: float | None       # of the head-free oracle's gain; None when it is 1 (nothing to capture)
     agreement: float
     exact_prefix: float
+    identical: float                  # answers identical to vanilla's (greedy, whole answers)
+    identical_by_category: dict[str, float]
     ppl_specee: float                 # with the pack's temperatures on exit logits
     ppl_specee_raw: float             # without them
     avg_exit_layer: float
     exit_rate: float
+    head_free_rate: float             # steps emitted from the candidates' logits (no full-vocabulary head)
+    candidate_mass: float | None      # at those steps, the full model's probability mass on the candidates
     predictor_calls_per_token: float
     verify_fail_rate: float
     draft_recall_at_k: float          # the emitted token was a candidate (any source)
@@ -57,10 +61,12 @@ class BenchResult:
     tokens: int
     vanilla_steps: int
     vanilla_tok_s: float
-    oracle_speedup: float
+    oracle_speedup: float             # verified exits (each pays a head)
     oracle_avg_exit_layer: float
+    oracle_head_free_speedup: float   # head-free exits (no head)
+    oracle_head_free_avg_exit_layer: float
     oracle_histogram: list[int]
-    time_model: TimeModel
+    costs: TokenCosts                 # measured in this run (runtime/costs.py)
     ppl_full: float
     ppl_tokens: int
     default_quality: float | None     # the pack's default level (None: a pack without levels)
@@ -110,14 +116,15 @@ class BenchResult:
         table = Table(title=f"specee-edge bench: {self.model}", show_header=False)
         table.add_column(style="bold")
         table.add_column()
-        tm = self.time_model
+        c = self.costs
         rows = [
             ("run", f"{self.prompts} prompts ({self.prompt_set}) x {self.tokens} tokens, greedy, "
                     f"{self.threads} thread{'s' if self.threads != 1 else ''}, {self.seconds:.0f} s"),
             ("pack", f"{self.pack} (k = {self.k})"),
             ("vanilla", f"{self.vanilla_tok_s:.1f} tok/s ({1e3 / self.vanilla_tok_s if self.vanilla_tok_s else 0:.2f} ms per step)"),
-            ("oracle_speedup", f"{self.oracle_speedup:.3f}x (avg_exit_layer {self.oracle_avg_exit_layer:.2f})"),
-            ("time model", f"{tm.intercept_ms:.2f} ms + {tm.per_layer_ms:.3f} ms per layer run"),
+            ("oracle_speedup", f"verified {self.oracle_speedup:.3f}x, head-free {self.oracle_head_free_speedup:.3f}x"),
+            ("costs (ms)", f"layer {c.layer_ms:.3f}, head {c.head_ms:.2f}, draft {c.draft_ms:.3f}, "
+                           f"check {c.check_ms:.3f}, fixed {c.fixed_ms:.2f}"),
             ("ppl_full", f"{self.ppl_full:.2f} ({self.ppl_tokens} held-out tokens)"),
         ]
         for label, value in rows:
@@ -126,24 +133,26 @@ class BenchResult:
 
     def _quality(self) -> Table:
         """Speed against quality: a row per lane (KV mode at a quality level; * the pack's default), vanilla
-        and the oracle. Headers break between words, so that the table fits 80 columns."""
+        and the oracles. Headers break between words, so that the table fits 80 columns."""
         table = Table(title="speed and quality", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
-                      caption="* the pack's default level; ppl with the pack's temperatures, ppl raw without"
-                      if self.default_quality is not None else None)
+                      caption="* the pack's default level; ppl with the pack's temperatures, ppl raw without; "
+                              "identical: whole answers equal to vanilla's" if self.default_quality is not None else None)
         table.add_column("lane", style="bold", no_wrap=True, vertical="bottom")
-        for name in ("speedup", "agreement", "exact\nprefix", "ppl", "ppl\nraw", "avg\nexit\nlayer", "exit\nrate",
-                     "verify\nfail\nrate"):
+        for name in ("speedup", "agree-\nment", "iden-\ntical", "exact\nprefix", "ppl", "ppl\nraw", "avg\nexit\nlayer",
+                     "exit\nrate", "head-\nfree\nrate"):
             table.add_column(name, justify="right", vertical="bottom")
-        table.add_row("vanilla", "1.000x", "1.000", "-", f"{self.ppl_full:.2f}", f"{self.ppl_full:.2f}",
-                      f"{self.n_layer - 1:.2f}", "0.000", "-")
+        table.add_row("vanilla", "1.000x", "1.000", "1.00", "-", f"{self.ppl_full:.2f}", f"{self.ppl_full:.2f}",
+                      f"{self.n_layer - 1:.2f}", "0.000", "0.000")
         for m in self.modes:
             label = m.kv_mode if m.quality is None else f"{m.kv_mode}@{m.quality:g}"
             default = "*" if m.quality is not None and m.quality == self.default_quality else " "
-            table.add_row(label + default, f"{m.speedup:.3f}x", f"{m.agreement:.3f}", f"{m.exact_prefix:.1f}",
-                          f"{m.ppl_specee:.2f}", f"{m.ppl_specee_raw:.2f}", f"{m.avg_exit_layer:.2f}",
-                          f"{m.exit_rate:.3f}", f"{m.verify_fail_rate:.3f}")
-        table.add_row("oracle", f"{self.oracle_speedup:.3f}x", "1.000", "-", "-", "-",
-                      f"{self.oracle_avg_exit_layer:.2f}", f"{self.oracle_exit_rate:.3f}", "-")
+            table.add_row(label + default, f"{m.speedup:.3f}x", f"{m.agreement:.3f}", f"{m.identical:.2f}",
+                          f"{m.exact_prefix:.1f}", f"{m.ppl_specee:.2f}", f"{m.ppl_specee_raw:.2f}",
+                          f"{m.avg_exit_layer:.2f}", f"{m.exit_rate:.3f}", f"{m.head_free_rate:.3f}")
+        table.add_row("oracle", f"{self.oracle_speedup:.3f}x", "1.000", "1.00", "-", "-", "-",
+                      f"{self.oracle_avg_exit_layer:.2f}", f"{self.oracle_exit_rate:.3f}", "0.000")
+        table.add_row("oracle hf", f"{self.oracle_head_free_speedup:.3f}x", "1.000", "1.00", "-", "-", "-",
+                      f"{self.oracle_head_free_avg_exit_layer:.2f}", "-", "-")
         return table
 
     def _machinery(self) -> Table:
@@ -153,8 +162,10 @@ class BenchResult:
             table.add_column(self.lane(m), justify="right")
         rows = [
             ("specee tok/s", lambda m: f"{m.specee_tok_s:.1f}"),
-            ("gain_captured", lambda m: "-" if m.gain_captured is None else f"{m.gain_captured:+.2f}"),
+            ("gain_captured (head-free oracle)", lambda m: "-" if m.gain_captured is None else f"{m.gain_captured:+.2f}"),
             ("predictor_calls_per_token", lambda m: f"{m.predictor_calls_per_token:.2f}"),
+            ("verify_fail_rate", lambda m: f"{m.verify_fail_rate:.3f}"),
+            ("candidate_mass (head-free steps)", lambda m: "-" if m.candidate_mass is None else f"{m.candidate_mass:.3f}"),
             (f"draft_recall@{self.k}", lambda m: f"{m.draft_recall_at_k:.3f}"),
             ("  from the draft head", lambda m: f"{m.recall_draft_head:.3f}"),
             ("  from prompt lookup", lambda m: f"{m.recall_lookup:.3f}"),
@@ -162,6 +173,8 @@ class BenchResult:
         categories = sorted({c for m in self.modes for c in m.recall_by_category})
         rows += [(f"draft_recall@{self.k} {c} (head + lookup)", lambda m, c=c: recall_cell(m.recall_by_category.get(c)))
                  for c in categories]
+        rows += [(f"identical answers, {c}", lambda m, c=c: f"{m.identical_by_category.get(c, 0.0):.2f}")
+                 for c in sorted({c for m in self.modes for c in m.identical_by_category})]
         for label, cell in rows:
             table.add_row(label, *(cell(m) for m in self.modes))
         return table

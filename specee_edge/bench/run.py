@@ -12,8 +12,8 @@ import numpy as np
 from llama_cpp import Llama
 from threadpoolctl import threadpool_limits
 
-from specee_edge.bench.oracle import Oracle, TimeModel, oracle_depths, stop_lanes
-from specee_edge.bench.quality import Perplexity, agreement, exact_prefix, perplexity
+from specee_edge.bench.oracle import Oracle, oracle_depths
+from specee_edge.bench.quality import Agreement, Perplexity, agreement, exact_prefix, perplexity
 from specee_edge.bench.report import TIME_PARTS, BenchResult, ModeResult
 from specee_edge.bench.runner import SpecEELane, VanillaLane, run_interleaved
 from specee_edge.data.prompts import Prompt, bench_prompts, heldout_text
@@ -22,6 +22,7 @@ from specee_edge.engine.exit import find_pack
 from specee_edge.errors import SpecEEError
 from specee_edge.pack import Pack, read_pack
 from specee_edge.runtime import Context
+from specee_edge.runtime.costs import DraftSetup, TokenCosts, cost_lanes
 from specee_edge.runtime.weights import TargetWeights
 from specee_edge.threads import default_threads
 
@@ -93,17 +94,24 @@ def bench_qualities(spec: str | None, pack: Pack) -> list[float | None]:
 
 def load_engines(config: BenchConfig, qualities: Sequence[float | None]) -> list[tuple[str, Engine]]:
     """An engine per lane: each KV mode at each quality level natively, and as `MODE/python` with the
-    Python policy if asked. Every engine times its in-graph draft (one extra scheduler split per token)
-    for the ms-per-part table."""
+    Python policy if asked; as users run them (the draft's share of a step comes from the cost lanes)."""
     engines = []
     for mode in config.kv_modes:
         for quality in qualities:
             for native in (True, False) if config.python_policy else (True,):
                 engine = Engine(config.model, pack=config.pack, config=EngineConfig(
                     n_ctx=ENGINE_CTX, n_threads=config.threads, kv_mode=mode, quality=quality,
-                    threshold=config.threshold, native=native, profile=True))
+                    threshold=config.threshold, native=native))
                 engines.append((mode if native else f"{mode}/python", engine))
     return engines
+
+
+def draft_setup(engine: Engine) -> DraftSetup:
+    """The engine's draft head and one of its predictors, for the cost lanes."""
+    d = engine.policy.draft
+    mlp = engine.policy.predictors[max(engine.policy.predictors)]
+    return DraftSetup(dict(w_embd=d.w_embd, w_hidden=d.w_hidden, bias=d.bias, norm=d.gamma, eps=d.eps, head=d.head,
+                           vocab_map=d.vocab_map, quant=d.quant), (mlp.weights, mlp.biases))
 
 
 def prompt_tokens(engine: Engine, prompts: Sequence[Prompt]) -> list[list[int]]:
@@ -133,22 +141,24 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
         raise SpecEEError(f"a prompt and its answer ({seq_ctx} tokens) must fit {ENGINE_CTX}: lower --tokens")
     heldout = first.tokenize(heldout_text())[: min(config.ppl_tokens or ENGINE_CTX, ENGINE_CTX)]
 
-    # 1. speed: vanilla, SpecEE per KV mode and quality level, and the forced stops, token by token in turns
-    llm = Llama(model_path=str(config.model), n_ctx=seq_ctx, n_threads=config.threads,
+    # 1. speed: vanilla, SpecEE per KV mode and quality level, and the cost lanes, token by token in turns;
+    # vanilla's context is the engines' size (attention over a larger cache costs more)
+    llm = Llama(model_path=str(config.model), n_ctx=ENGINE_CTX, n_threads=config.threads,
                 n_threads_batch=config.threads, verbose=False)
     vanilla = VanillaLane(llm, config.tokens, model.is_eog)
     lanes = [SpecEELane(mode, engine, config.tokens) for mode, engine in engines]
-    stops = stop_lanes(model, n_ctx=seq_ctx, n_threads=config.threads, k=k)
-    run_interleaved(prompts, vanilla, lanes, stops, reporter.task("decoding", len(prompts) * (config.tokens - 1)))
-    time_model = TimeModel.fit(stops)
-    for lane in stops:
+    cost = cost_lanes(model, draft_setup(first), n_ctx=seq_ctx, n_threads=config.threads, k=k)
+    run_interleaved(prompts, vanilla, lanes, cost, reporter.task("decoding", len(prompts) * (config.tokens - 1)))
+    costs = TokenCosts.fit(cost)
+    for lane in cost:
         lane.ctx.close()
     llm.close()
 
-    # 2. the oracle along vanilla's outputs
-    depths = oracle_depths(model, TargetWeights(config.model), prompts, vanilla.outputs, n_ctx=seq_ctx,
-                           n_threads=config.threads, advance=reporter.task("oracle", vanilla.timing.steps))
-    oracle = Oracle(depths, time_model, n_layer)
+    # 2. the oracles along vanilla's outputs
+    weights = TargetWeights(config.model)
+    depths = oracle_depths(model, weights, first.policy.draft, first.policy.pack.lookup_max_n, prompts, vanilla.outputs,
+                           n_ctx=seq_ctx, n_threads=config.threads, advance=reporter.task("oracle", vanilla.timing.steps))
+    oracle = Oracle(depths, costs, n_layer)
 
     # 3. quality: agreement, exact prefix, held-out perplexity with and without exits
     reference = Context(model, n_ctx=seq_ctx, n_batch=seq_ctx, n_threads=config.threads)
@@ -156,8 +166,8 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     ppl_full = perplexity(first, heldout, early_exit=False, advance=advance).value
     categories = [p.category for p in selected]
     modes = [
-        mode_result(lane, vanilla, oracle, categories,
-                    agreement=agreement(reference, prompts, lane.outputs, advance),
+        mode_result(lane, vanilla, oracle, costs, categories,
+                    agreement=agreement(reference, prompts, lane.records, advance),
                     ppl=perplexity(lane.engine, heldout, early_exit=True, advance=advance))
         for lane in lanes
     ]
@@ -169,14 +179,15 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
         prompt_set=config.prompt_set, prompts=len(prompts), tokens=config.tokens,
         vanilla_steps=vanilla.timing.steps, vanilla_tok_s=vanilla.timing.tok_s,
         oracle_speedup=oracle.speedup, oracle_avg_exit_layer=oracle.avg_exit_layer,
-        oracle_histogram=oracle.histogram, time_model=time_model, ppl_full=ppl_full, ppl_tokens=len(heldout),
+        oracle_head_free_speedup=oracle.head_free_speedup, oracle_head_free_avg_exit_layer=oracle.head_free_avg_exit_layer,
+        oracle_histogram=oracle.histogram, costs=costs, ppl_full=ppl_full, ppl_tokens=len(heldout),
         default_quality=default_level.quality if default_level else None, modes=modes,
         seconds=time.perf_counter() - start, command=config.command,
     )
 
 
-def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, categories: Sequence[str], *,
-                agreement: float, ppl: Perplexity) -> ModeResult:
+def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, costs: TokenCosts, categories: Sequence[str], *,
+                agreement: Agreement, ppl: Perplexity) -> ModeResult:
     """categories: each prompt's, in the order the lane answered them."""
     stats = GenerationStats(oracle.n_layer, early_exit=True)
     for record in lane.decode_records():
@@ -185,22 +196,27 @@ def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, categori
     for category, records in zip(categories, lane.records):
         for record in records[1:]:
             by_category.setdefault(category, GenerationStats(oracle.n_layer, early_exit=True)).add(record)
+    identical = [output == reference for output, reference in zip(lane.outputs, vanilla.outputs)]
+    identical_by_category = {c: float(np.mean([same for same, cat in zip(identical, categories) if cat == c]))
+                             for c in sorted(set(categories))}
     speedup = lane.timing.tok_s / vanilla.timing.tok_s if vanilla.timing.tok_s else 0.0
-    headroom = oracle.speedup - 1
+    headroom = oracle.head_free_speedup - 1
     return ModeResult(
         kv_mode=lane.kv_mode, quality=lane.engine.policy.quality, steps=lane.timing.steps,
         specee_tok_s=lane.timing.tok_s, speedup=speedup,
         gain_captured=(speedup - 1) / headroom if headroom > 1e-9 else None,
-        agreement=agreement, exact_prefix=exact_prefix(vanilla.outputs, lane.outputs),
+        agreement=agreement.agreement, exact_prefix=exact_prefix(vanilla.outputs, lane.outputs),
+        identical=float(np.mean(identical)), identical_by_category=identical_by_category,
         ppl_specee=ppl.value, ppl_specee_raw=ppl.raw,
-        avg_exit_layer=stats.avg_exit_layer, exit_rate=stats.exit_rate,
+        avg_exit_layer=stats.avg_exit_layer, exit_rate=stats.exit_rate, head_free_rate=stats.head_free_rate,
+        candidate_mass=agreement.candidate_mass,
         predictor_calls_per_token=stats.predictor_calls_per_token, verify_fail_rate=stats.verify_fail_rate,
         draft_recall_at_k=stats.draft_recall_at_k, recall_draft_head=stats.recall_draft_head,
         recall_lookup=stats.recall_lookup,
         recall_by_category={c: {"steps": s.n_decode, "draft_recall_at_k": s.draft_recall_at_k,
                                 "recall_draft_head": s.recall_draft_head, "recall_lookup": s.recall_lookup}
                             for c, s in sorted(by_category.items())},
-        ms_per_token=time_split(stats, lane.timing.ms),
+        ms_per_token=time_split(stats, lane.timing.ms, costs.draft_ms),
         exit_histogram=exit_histogram(stats.exit_layers, oracle.n_layer),
     )
 
@@ -211,15 +227,17 @@ def exit_histogram(exit_layers: Sequence[int | None], n_layer: int) -> list[int]
     return np.bincount(np.asarray(layers, dtype=np.int64), minlength=n_layer).tolist()
 
 
-def time_split(stats: GenerationStats, step_ms: float) -> dict[str, float]:
-    """ms per decode step. The forward (llama_decode) holds the draft, the layers, the predictors and the
-    verification; other is what the step costs outside it (the schedule, records); sample is apart."""
+def time_split(stats: GenerationStats, step_ms: float, draft_ms: float) -> dict[str, float]:
+    """ms per decode step. The forward (llama_decode) holds the draft (as the cost lanes measured it, on the
+    steps that ran one), the layers, the predictors and the verification; other is what the step costs
+    outside it (the schedule, records, the token's text); sample is apart."""
     if not stats.n_decode:
         return dict.fromkeys(TIME_PARTS, 0.0)
     ms = {key: value / stats.n_decode for key, value in stats.time_ms.items()}
+    draft = draft_ms * stats.drafted / stats.n_decode
     return {
-        "draft": ms["draft"],
-        "layers": ms["forward"] - ms["draft"] - ms["predictor"] - ms["verify"],
+        "draft": draft,
+        "layers": ms["forward"] - draft - ms["predictor"] - ms["verify"],
         "predictor": ms["predictor"],
         "verify": ms["verify"],
         "other": step_ms - ms["forward"],

@@ -1,12 +1,15 @@
-"""Interleaved decoding: vanilla llama.cpp, SpecEE per KV mode and the forced-stop lanes take turns.
+"""Interleaved decoding: vanilla llama.cpp, SpecEE per KV mode and quality level, and the cost lanes
+take turns.
 
 Every lane decodes the same prompts, and within a prompt the lanes take turns token by token, so a
 change in machine speed (another process, thermal throttling) hits all of them alike. Only decode
-time is counted: the prompt, and the argmax or sampling of each token, are not.
+time is counted: the prompt, and the argmax or sampling of each token, are not. Vanilla and SpecEE
+pay alike for what a user's loop does with each token: detokenizing it and matching stop strings.
 """
 
 from __future__ import annotations
 
+import codecs
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -17,28 +20,13 @@ import numpy as np
 from llama_cpp import Llama
 
 from specee_edge.engine import GREEDY, Engine, TokenRecord
-
-
-@dataclass
-class Timing:
-    steps: int = 0
-    seconds: float = 0.0
-
-    def add(self, seconds: float) -> None:
-        self.steps += 1
-        self.seconds += seconds
-
-    @property
-    def tok_s(self) -> float:
-        return self.steps / self.seconds if self.seconds else 0.0
-
-    @property
-    def ms(self) -> float:
-        return self.seconds / self.steps * 1e3 if self.steps else 0.0
+from specee_edge.engine.stops import StopMatcher
+from specee_edge.runtime.costs import Timing
 
 
 class VanillaLane:
-    """The stock llama-cpp-python path: Llama.eval one token at a time, greedy; times eval only."""
+    """The stock llama-cpp-python path: Llama.eval one token at a time, greedy; times eval, the token's text
+    and the stop-string matching."""
 
     def __init__(self, llm: Llama, max_tokens: int, is_eog: Callable[[int], bool]):
         self.llm = llm
@@ -46,11 +34,15 @@ class VanillaLane:
         self.is_eog = is_eog
         self.timing = Timing()
         self.outputs: list[list[int]] = []  # generated tokens, one list per prompt
+        self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stops = StopMatcher(())
 
     def start(self, prompt: Sequence[int]) -> None:
         self.llm.reset()
         self.llm.eval(prompt)
         self.outputs.append([self._argmax()])
+        self._text.reset()
+        self._stops = StopMatcher(())
 
     def _argmax(self) -> int:
         # Llama.eval keeps no scores without logits_all: read the last token's logits from llama.cpp
@@ -66,6 +58,7 @@ class VanillaLane:
 
     def step(self, token: int) -> None:
         start = time.perf_counter()
+        self._stops.feed(self._text.decode(self.llm.detokenize([token])))
         self.llm.eval([token])
         self.timing.add(time.perf_counter() - start)
         self.outputs[-1].append(self._argmax())
@@ -117,7 +110,7 @@ class SpecEELane:
 
 
 class FedLane(Protocol):
-    """A lane that decodes the tokens vanilla produced (teacher forcing): the forced-stop timings."""
+    """A lane that decodes the tokens vanilla produced (teacher forcing): the cost lanes."""
 
     timing: Timing
 
