@@ -17,7 +17,7 @@ $(PY):
 # The dependency lists live here, so edits to this file reinstall them too.
 $(DEPS_STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q scikit-build-core cmake ninja
-	$(PIP) install -q numpy gguf scikit-learn typer rich matplotlib pytest diskcache jinja2
+	$(PIP) install -q numpy gguf scikit-learn scipy safetensors typer rich matplotlib pytest diskcache jinja2
 	@touch $@
 
 # Always runs; returns within a second when the installed build is current.

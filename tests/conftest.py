@@ -66,7 +66,10 @@ def write_two_level_pack(path: Path) -> Path:
     exit) and STRICT, the default (the shipped default level's thresholds), and temperatures of 1.2."""
     pack = read_pack(SHIPPED_PACK)
     strict = dataclasses.replace(pack.level(), quality=STRICT)
-    loose = dataclasses.replace(pack.levels[0], quality=LOOSE, exits=dict.fromkeys(strict.exits, LayerExit(ExitKind.VERIFIED, 0.3)),
+    last = pack.target.n_layer - 1  # its exit skips the output head: head-free or off
+    loose = dataclasses.replace(pack.levels[0], quality=LOOSE, exits={
+                                    il: LayerExit(ExitKind.HEAD_FREE if il == last else ExitKind.VERIFIED, 0.3)
+                                    for il in strict.exits},
                                 exit_rate=0.2, agreement=0.93)  # the loosest level's offline layers: checked from the start
     write_pack(path, dataclasses.replace(pack, levels=[loose, strict], default_quality=STRICT,
                                          temperatures=dict.fromkeys(pack.predictors, 1.2)))

@@ -8,7 +8,8 @@ multi-layer pack puts copies of that predictor on nine layers (MULTI_LAYERS), so
 halfway and the KV modes handle many skipped layers. The actions are what a
 user of `specee-edge chat` or of the Python API does: chat turns, /regen, /clear, streams closed early,
 Ctrl+C inside the consuming loop or inside the engine, early exit on/off, threshold changes, KV-mode
-changes, and prompts that fill or overflow a small context.
+changes, and prompts that fill or overflow a small context. Batches are smaller than the context, so
+long prompts go in several (the review found a prompt's one-token last batch exiting early).
 
 What is checked, and why each check is exact:
 
@@ -75,6 +76,7 @@ THRESHOLDS = (None, 0.0, 0.3, 0.5, 0.9, 1.01)
 # the shipped pack's own thresholds rarely stop in a few tokens; low ones stop often, so they come up more
 THRESHOLD_WEIGHTS = (2, 3, 2, 2, 1, 1)
 N_CTX = 256
+N_BATCH = 64  # below n_ctx: long prompts go in several batches (none of one token: those would be steps)
 N_THREADS = 2
 MAX_TOKENS = 5
 DEEP_EVERY = 400        # actions between deep checks (a new context replays everything)
@@ -239,7 +241,7 @@ class Twin:
     calls, forcing the recorded exits with a probe callback, and compares the logits bit for bit."""
 
     def __init__(self, model: Model, mode: str, n_cand: int, n_ctx: int = N_CTX):
-        self.ctx = Context(model, n_ctx=n_ctx, n_threads=N_THREADS)
+        self.ctx = Context(model, n_ctx=n_ctx, n_batch=N_BATCH, n_threads=N_THREADS)
         self.ctx.enable_early_exit(n_cand, mode)
         self.ctx.set_candidates(list(range(n_cand)))  # the callback decides; the candidates do not matter
         self.replayed: list[Chunk] = []
@@ -296,7 +298,7 @@ class Vanilla:
     """A plain context (early exit never enabled): greedy decoding as stock llama.cpp does it."""
 
     def __init__(self, model: Model, n_ctx: int = N_CTX):
-        self.ctx = Context(model, n_ctx=n_ctx, n_threads=N_THREADS)
+        self.ctx = Context(model, n_ctx=n_ctx, n_batch=N_BATCH, n_threads=N_THREADS)
 
     def greedy(self, prompt: list[int], n: int) -> list[int]:
         self.ctx.clear()
@@ -417,7 +419,7 @@ class EngineFuzzer:
             for mode in KV_MODES:
                 key = mode if pack == "shipped" else f"{mode}/{pack}"
                 engine = Engine(model_path, pack=AUTO if pack == "shipped" else multi_pack,
-                                config=EngineConfig(n_ctx=n_ctx, n_threads=N_THREADS, kv_mode=mode))
+                                config=EngineConfig(n_ctx=n_ctx, n_batch=N_BATCH, n_threads=N_THREADS, kv_mode=mode))
                 assert engine.policy is not None and engine.kv_mode == mode
                 twin = Twin(engine.model, mode, engine.policy.k, n_ctx)
                 self.slots[key] = Slot(key, mode, engine, CacheRecorder(engine.ctx), twin)

@@ -31,7 +31,10 @@ PACK = shipped_dir() / "SmolLM2-135M-Instruct.Q4_1.specee.gguf"
 FAST = ["--temp", "0", "-t", "1"]
 FOOTER = r"\[ prompt [\d.]+ t/s \| generation [\d.]+ t/s \| [^\]\n]+ \]"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r|\x07")
-needs_pack = pytest.mark.skipif(not PACK.is_file(), reason=f"the shipped pack {PACK.name} is not there")
+
+
+def test_the_default_models_pack_is_shipped():
+    assert PACK.is_file(), f"the shipped pack {PACK.name} is part of the repository"
 
 
 class Terminal:
@@ -297,7 +300,6 @@ def test_bad_pack(env):
 
 # --- with the shipped pack: exit statistics ----------------------------------------------------
 
-@needs_pack
 def test_generate_json_with_the_shipped_pack(env):
     result = run_cli("generate", "-p", "What is the capital of France?", "-n", "24", *FAST, "--json",
                      "--quality", str(exiting_quality()), env=env)  # a level with layers on
@@ -309,7 +311,6 @@ def test_generate_json_with_the_shipped_pack(env):
     assert 0 <= stats["avg_exit_layer"] <= 29 and 0 <= stats["exit_rate"] <= 1
 
 
-@needs_pack
 def test_repl_exit_stats_with_the_shipped_pack(env):
     script = "What is the capital of France?\n/stats\n/show info\n/early-exit off\nWhat is the capital of Spain?\n/exit\n"
     result = run_cli("chat", "-n", "16", *FAST, "--color-exits", env=env, stdin=script)
@@ -355,19 +356,20 @@ def two_level_pack(tmp_path_factory) -> Path:
     return write_two_level_pack(tmp_path_factory.mktemp("pack") / "two.specee.gguf")
 
 
-@needs_pack
 def test_generate_at_a_quality_level(env, two_level_pack):
     result = run_cli("generate", "-p", "Name a colour.", "-n", "8", *FAST, "--pack", str(two_level_pack),
                      "--quality", str(LOOSE), env=env)
     assert result.returncode == 0, result.stderr
     assert re.search(rf"\| exit \d+% \| quality {LOOSE:g} \]", result.stderr)
+    # the loose level keeps few whole answers identical: said in one line, before the reply
+    assert re.search(rf"quality {LOOSE:g} keeps \d+% of greedy code answers identical", result.stderr)
     result = run_cli("generate", "-p", "Name a colour.", "-n", "8", *FAST, "--pack", str(two_level_pack),
                      "--quality", "0.95", "--threshold", "0.5", env=env)  # the lowest level at or above 0.95
     assert result.returncode == 0, result.stderr
     assert re.search(rf"\| quality {STRICT:g}, threshold 0.5 \]", result.stderr)
+    assert "identical" not in result.stderr  # an explicit threshold is not a measured level: nothing to say
 
 
-@needs_pack
 @pytest.mark.parametrize("command", ["generate", "chat"])
 @pytest.mark.parametrize("quality, message", [
     ("0.999", "error: no quality level at or above 0.999 in this pack (it offers "),
@@ -383,7 +385,6 @@ def test_bad_quality_is_one_line_and_exit_1(env, command, quality, message):
     assert result.stdout == ""
 
 
-@needs_pack
 def test_set_quality_in_the_repl(default_model, two_level_pack):
     engine = Engine(default_model.info.path, pack=two_level_pack, config=EngineConfig(n_ctx=512, n_threads=1))
     repl, out = make_repl(engine)

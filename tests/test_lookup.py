@@ -137,7 +137,9 @@ def test_engine_lookup_follows_its_cache_across_turns_regen_clear_and_interrupti
     def reply(messages: list[dict], max_tokens: int, stop_after: int | None = None) -> None:
         nonlocal proposals, exits
         stream = engine.stream_chat(messages, max_tokens=max_tokens, sampling=GREEDY)
+        ids = []
         for n, record in enumerate(stream):
+            ids.append(record.id)
             if n and record.draft_hit is not None:  # a single-token step: its lookup and candidates
                 context = engine._kv_tokens
                 assert engine.policy.lookup == scan(context, 4)
@@ -150,7 +152,9 @@ def test_engine_lookup_follows_its_cache_across_turns_regen_clear_and_interrupti
             if stop_after is not None and n == stop_after:
                 stream.close()  # as Ctrl+C or a closed stream leaves it
                 break
-        assert engine._kv_tokens == engine._kv_tokens[: engine.ctx.n_past] and len(engine._kv_tokens) == engine.ctx.n_past
+        # the cache holds the prompt and every token but the last sampled one (never decoded), stopped or not
+        prompt = engine.tokenize(engine.format_chat(messages))
+        assert engine._kv_tokens == prompt + ids[:-1] and len(engine._kv_tokens) == engine.ctx.n_past
         assert engine._history.propose() == scan(engine._kv_tokens, 4)
 
     question = [{"role": "user", "content": "List three fruits, then list the same three fruits again."}]

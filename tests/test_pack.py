@@ -202,7 +202,7 @@ def test_convert_paper_safetensors_with_a_predictor_on_every_layer(tiny, tmp_pat
     assert sorted(back.predictors) == back.schedule.offline == [0, 1, 2]
     for il in (0, 1, 2):
         np.testing.assert_allclose(back.predictors[il](FEATURES), reference[il](FEATURES), atol=1e-5)
-    assert notes == [f"{source}: left out the predictor of layer 3: the last layer always runs, so it can never fire"]
+    assert notes == [f"{source}: left out the predictor of layer 3: the paper's rule never exits at the last layer"]
 
 
 def test_convert_refuses_eagle_draft_heads(tiny, tmp_path):
@@ -410,7 +410,7 @@ def test_cli_convert_and_info(tiny, tmp_path):
     result = runner.invoke(app, ["convert", str(tmp_path / "preds.safetensors"), "-o", str(out), "--model", str(path)])
     assert result.exit_code == 0, result.output
     assert result.output.splitlines() == [
-        f"{tmp_path / 'preds.safetensors'}: left out the predictor of layer 3: the last layer always runs, so it can never fire",
+        f"{tmp_path / 'preds.safetensors'}: left out the predictor of layer 3: the paper's rule never exits at the last layer",
         f"wrote {out}: 2 predictors (k = 4) for {path.name}",
     ]
     assert "specee-edge convert" in json.dumps(read_pack(out).provenance)

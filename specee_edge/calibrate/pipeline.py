@@ -39,7 +39,7 @@ from specee_edge.draft.lookup import LOOKUP_MAX_N
 from specee_edge.engine import Engine, EngineConfig
 from specee_edge.errors import SpecEEError
 from specee_edge.pack import OFF, Pack, QualityLevel, Schedule, target_identity, write_pack
-from specee_edge.pack.format import DraftHead
+from specee_edge.pack.format import IDENTICAL_FLOOR, DraftHead
 from specee_edge.pack.convert import predictors_from_npz, predictors_to_npz
 from specee_edge.predictor import MLPPredictor
 from specee_edge.runtime import Model
@@ -54,9 +54,8 @@ MAX_ROUNDS = 16  # answers per prompt at most (the first greedy, the others samp
 STEPS = 8  # the stages, for the progress bars
 # the default level, unless --quality names one: the fastest whose held-out agreement reaches AGREEMENT_FLOOR
 # and, for models that chat, whose greedy answers to code prompts stay identical to the full model's in at
-# least CODE_IDENTICAL_FLOOR of them (one wrong token can break a program)
+# least IDENTICAL_FLOOR of them (one wrong token can break a program)
 AGREEMENT_FLOOR = 0.98
-CODE_IDENTICAL_FLOOR = 0.75
 COST_TOKENS = 96  # decode steps each cost lane times, per round
 
 
@@ -351,7 +350,7 @@ def default_quality(levels: list[QualityLevel], *, code_matters: bool) -> float:
     """The fastest level (predicted, held out) that keeps AGREEMENT_FLOOR and, where code matters, the share of
     identical code answers; the highest level if none does."""
     eligible = [level for level in levels if level.agreement >= AGREEMENT_FLOOR
-                and (not code_matters or level.identical_code >= CODE_IDENTICAL_FLOOR)]
+                and (not code_matters or level.identical_code >= IDENTICAL_FLOOR)]
     if not eligible:
         return max(level.quality for level in levels)
     return max(eligible, key=lambda level: (level.speedup, level.quality)).quality

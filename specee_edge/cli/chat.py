@@ -39,8 +39,10 @@ ChatTemplate = Annotated[str | None, typer.Option("--chat-template", show_defaul
                                                   help="chatml, llama3, mistral, gemma, a Jinja file or a template (default: the model's)")]
 NoEarlyExit = Annotated[bool, typer.Option("--no-early-exit", help="decode every layer (the pack stays loaded)")]
 Quality = Annotated[str | None, typer.Option("--quality", show_default=False, help=(
-    "the pack's quality level: the agreement with the full model it guarantees, such as 0.95 "
-    "(default: the pack's default level)"))]
+    "the pack's quality level: the share of tokens equal to the full model's it keeps, such as 0.95 "
+    "(default: the pack's default level; `specee-edge info PACK` lists each level's agreement and the share "
+    "of whole greedy answers that stay identical). One wrong token changes the rest of a reply: a level below "
+    "0.98 can keep few answers identical, and says so. A head-free exit samples among its k candidates only"))]
 Threshold = Annotated[float | None, typer.Option("--threshold", show_default=False,
                                                  help="exit threshold for every layer (default: the quality level's per-layer ones)")]
 ColorExits = Annotated[bool, typer.Option("--color-exits", help="colour each token by the layer it left at")]
@@ -193,7 +195,7 @@ def chat(
 
 
 def _banner(engine: Engine, notice: str | None) -> None:
-    from specee_edge.cli.render import exit_setting
+    from specee_edge.cli.render import exit_setting, level_warning
 
     info = engine.model.info
     pack = f", pack {engine.policy.pack_path.name}" if engine.policy else ""
@@ -203,6 +205,8 @@ def _banner(engine: Engine, notice: str | None) -> None:
     console.print(f"specee-edge chat · {info.path.name} ({info.arch}, {info.n_layer} layers{pack}) · {state}", **line)
     if notice:
         console.print(notice, style="yellow", **line)
+    if warning := level_warning(engine):
+        console.print(warning, style="yellow", **line)
     if engine.prompting == "completion":
         console.print(f"{info.path.name} is a base model, not instruction-tuned: it continues text rather than"
                       " answering (specee-edge generate --raw suits it)", style="yellow", **line)
@@ -238,7 +242,7 @@ def generate(
     verbose: Verbose = False,
 ) -> None:
     """One reply: the text to stdout (pipe-friendly), the stats to stderr; --json for one JSON object."""
-    from specee_edge.cli.render import TokenPrinter, exit_setting, footer, stats_table
+    from specee_edge.cli.render import TokenPrinter, exit_setting, footer, level_warning, stats_table
 
     try:
         text = _prompt_text(prompt, file)
@@ -249,9 +253,11 @@ def generate(
         engine, _, notice = load_engine(opts, strict_pack=True)
     except SpecEEError as e:
         raise fail(e) from None
-    if notice:
-        err_console.print(notice, style="yellow", highlight=False, markup=False, soft_wrap=True)
+    for line in (notice, level_warning(engine)):
+        if line:
+            err_console.print(line, style="yellow", highlight=False, markup=False, soft_wrap=True)
     max_tokens = n_predict if n_predict >= 0 else engine.ctx.n_ctx
+    setting = exit_setting(engine)  # read before close, which lets go of the pack
     colour = color_exits and not json_out and sys.stdout.isatty()
     printer = TokenPrinter(Console(highlight=False), engine.n_layer, True) if colour else None
     pieces: list[str] = []
@@ -281,14 +287,14 @@ def generate(
     reply = "".join(pieces)
     stats = engine.stats
     if json_out:
-        pack_path = str(engine.policy.pack_path) if engine.policy else None
+        pack_path = str(engine.pack_path) if engine.pack_path else None
         print(json.dumps({"text": reply, "model": str(engine.model.info.path), "pack": pack_path,
                           "stats": stats.summary()}))
     else:
         if reply and not reply.endswith("\n"):
             sys.stdout.write("\n")
         sys.stdout.flush()
-        err_console.print(footer(stats, exit_setting(engine)), style="dim", highlight=False, markup=False, soft_wrap=True)
+        err_console.print(footer(stats, setting), style="dim", highlight=False, markup=False, soft_wrap=True)
         if verbose:
             err_console.print(stats_table(stats))
     if interrupted:

@@ -9,7 +9,8 @@ from rich.console import Group
 from rich.table import Table
 
 from specee_edge.gguf_index import GGUFIndex
-from specee_edge.pack.format import PACK_ARCH, Pack
+from specee_edge.exits import ExitKind
+from specee_edge.pack.format import PACK_ARCH, Pack, QualityLevel
 from specee_edge.pack.io import read_pack
 from specee_edge.pack.target import target_identity
 
@@ -99,19 +100,33 @@ def _pack_summary(path: Path) -> Group:
 
 
 def _levels_table(pack: Pack) -> Table:
-    """The quality levels: what each switches on, and what calibration measured for it on held-out answers."""
+    """The quality levels: the exits each switches on, and what calibration measured for it through the
+    engine on held-out prompts (the KV mode named in the title)."""
     default = pack.level().quality
-    table = Table(title="quality levels (--quality; * the default; expected, from held-out calibration answers)",
+    mode = pack.provenance.get("kv_mode", "fill")
+    table = Table(title=f"quality levels (--quality; * the default; measured on held-out prompts, --kv-mode {mode})",
                   title_justify="left")
     table.add_column("quality", justify="right", no_wrap=True, vertical="bottom")
-    table.add_column("thresholds\n(layer: t < 1)", overflow="fold", vertical="bottom")
-    table.add_column("offline\nlayers", overflow="fold", vertical="bottom")
+    table.add_column("exits (layers)", overflow="fold", vertical="bottom")
     # headers broken between words, so that the table fits 80 columns
-    for column in ("exit\nrate", "agreement", "layer\nspeedup", "verify\nfail rate"):
+    for column in ("agreement\n(95% interval)", "exit\nrate", "head-\nfree", "speed\n(predicted)", "identical\nanswers\n(code)"):
         table.add_column(column, justify="right", vertical="bottom")
     for level in pack.levels:
-        active = ", ".join(f"{il}: {t:.3g}" for il, t in sorted(level.thresholds.items()) if t < 1.0)
-        table.add_row(f"{level.quality:g}{' *' if level.quality == default else ''}", active or "none (no exits)",
-                      ", ".join(map(str, level.offline)) or "none", f"{level.exit_rate:.3f}", f"{level.agreement:.4f}",
-                      f"{level.layer_speedup:.3f}x", f"{level.verify_fail_rate:.3f}")
+        low, high = level.agreement_interval()
+        interval = f"{level.agreement:.3f}" + (f"\n({low:.3f}-{high:.3f})" if level.steps else "")
+        identical = "-" if level.identical < 0 else f"{level.identical:.2f}" + (
+            f" ({level.identical_code:.2f})" if level.identical_code >= 0 else "")
+        table.add_row(f"{level.quality:g}{' *' if level.quality == default else ''}", _exits_cell(level), interval,
+                      f"{level.exit_rate:.3f}", f"{level.head_free_rate:.3f}", f"{level.speedup:.3f}x", identical)
     return table
+
+
+def _exits_cell(level: QualityLevel) -> str:
+    if level.off:
+        return "none: decodes plainly"
+    parts = []
+    for kind in (ExitKind.VERIFIED, ExitKind.HEAD_FREE):
+        layers = [il for il in level.on_layers if level.exits[il].kind == kind]
+        if layers:
+            parts.append(f"{kind.label} " + ", ".join(f"{il}@{level.exits[il].threshold:.2f}" for il in layers))
+    return "; ".join(parts)

@@ -12,7 +12,7 @@ from rich.text import Text
 from specee_edge.engine import Engine, GenerationStats, SamplingParams, TokenRecord
 from specee_edge.engine.exit import ExitPolicy
 from specee_edge.exits import ExitKind
-from specee_edge.pack.format import LayerExit
+from specee_edge.pack.format import IDENTICAL_FLOOR, LayerExit
 
 # Exit-depth colours, shallow to deep: (share of the last layer index reached, style).
 DEPTH_STYLES: tuple[tuple[float, str], ...] = ((0.5, "bold green"), (0.67, "cyan"), (0.83, "yellow"), (1.0, "magenta"))
@@ -28,6 +28,26 @@ def exit_setting(engine: Engine) -> str | None:
     if policy.threshold is not None:
         parts.append(f"threshold {policy.threshold:g}")
     return ", ".join(parts) or None
+
+
+def level_warning(engine: Engine) -> str | None:
+    """One line when the level in use was measured to change whole answers: fewer than IDENTICAL_FLOOR of
+    its held-out greedy answers (to code prompts, where there were some) came out identical to the full
+    model's; or when the engine runs another KV mode than the one its figures were measured in."""
+    policy = engine.policy
+    level = policy.level if policy and engine.early_exit and policy.threshold is None else None
+    if level is None or level.off:
+        return None
+    notes = []
+    whole = level.whole_answers
+    if 0 <= whole < IDENTICAL_FLOOR:
+        what = "code answers" if level.identical_code >= 0 else "answers"
+        notes.append(f"quality {level.quality:g} keeps {whole:.0%} of greedy {what} identical to the full model's"
+                     f" (token agreement {level.agreement:.3f}); a higher --quality keeps more")
+    measured = policy.pack.provenance.get("kv_mode")
+    if measured and engine.kv_mode != measured:
+        notes.append(f"its figures were measured with --kv-mode {measured}, not {engine.kv_mode}")
+    return "; ".join(notes) or None
 
 
 def footer(stats: GenerationStats, setting: str | None = None) -> str:

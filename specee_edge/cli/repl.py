@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from specee_edge.cli.render import TokenPrinter, depth_legend, engine_info, exit_setting, footer, stats_table
+from specee_edge.cli.render import TokenPrinter, depth_legend, engine_info, exit_setting, footer, level_warning, stats_table
 from specee_edge.engine import Engine, GenerationStats, SamplingParams
 from specee_edge.errors import ContextFullError, SpecEEError
 
@@ -292,6 +292,8 @@ class Repl:
             quality = self.engine.policy.quality  # the level in use: the lowest at or above the value
             self.console.print(f"quality = {quality:g}" if quality is not None else "the pack has no quality levels: "
                                "its own thresholds again", style="dim", highlight=False)
+            if warning := level_warning(self.engine):
+                self.console.print(warning, style="yellow", highlight=False, markup=False)
             return
         if key == "verbose":
             self.settings.verbose = parse_switch(value)

@@ -312,5 +312,9 @@ class Engine:
         self._history.clear()
 
     def close(self) -> None:
+        """Free the native context and model now, and let go of the pack (and the target's memory map its
+        draft reads embeddings from), instead of whenever the garbage collector runs."""
         self.ctx.close()
         self.model.close()
+        self.policy = None
+        self.early_exit = False

@@ -135,7 +135,7 @@ def convert(
             raise SpecEEError(f"{path}: predictors for layers {sorted(overlap)} were already given")
         # The paper's files have one for every layer; the last layer always runs, so its predictor never fires
         if found.pop(last, None) is not None:
-            note(f"{path}: left out the predictor of layer {last}: the last layer always runs, so it can never fire")
+            note(f"{path}: left out the predictor of layer {last}: the paper's rule never exits at the last layer")
         predictors.update(found)
 
     if not predictors:

@@ -37,6 +37,9 @@ KEY_LEVELS = "specee.quality.levels"  # optional, ascending agreement targets; e
 KEY_DEFAULT_QUALITY = "specee.quality.default"  # one of the levels
 LEVEL_FIELDS = ("thresholds", "kinds", "offline", "exit_rate", "agreement", "layer_speedup", "verify_fail_rate",
                 "speedup", "head_free_rate", "steps", "identical", "identical_code")
+# whole answers: a level keeps at least this share of held-out greedy answers (to code prompts, for models
+# that chat) identical to the full model's, or says that it does not (`chat` banner, `generate`, `info`)
+IDENTICAL_FLOOR = 0.75
 LEVEL_FIGURES = LEVEL_FIELDS[3:]  # floats measured when the level was chosen (format 2 has only the first four)
 KEY_OFFLINE_LAYERS = "specee.schedule.offline"
 KEY_WINDOW = "specee.schedule.window"
@@ -128,6 +131,12 @@ class QualityLevel:
     @property
     def thresholds(self) -> dict[int, float]:
         return {il: e.threshold for il, e in self.exits.items()}
+
+    @property
+    def whole_answers(self) -> float:
+        """The share of held-out greedy answers identical to the full model's that the level is judged by:
+        code answers where they were measured, else all (-1: not measured)."""
+        return self.identical_code if self.identical_code >= 0 else self.identical
 
     @property
     def off(self) -> bool:

@@ -57,8 +57,14 @@ class GraphInfo:
     eval_callback: bool  # the scheduler called back per node (only while a probe, capture or timing asks)
 
 
+def _pointer(array: np.ndarray, ctype) -> ctypes._Pointer:
+    """A pointer to the array's data for the call at hand (the caller keeps the array alive). Made from the
+    address: numpy's data_as builds a reference cycle per call, which only the garbage collector frees."""
+    return ctypes.cast(array.ctypes.data, ctypes.POINTER(ctype))
+
+
 def _floats(array: np.ndarray) -> ctypes._Pointer:
-    return array.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+    return _pointer(array, ctypes.c_float)
 
 
 def _int32_array(values: Sequence[int]) -> ctypes.Array:
@@ -176,7 +182,7 @@ class Context:
             raise SpecEEError(f"draft head shapes do not fit n_embd {n_embd}")
         rc = C["llama_specee_set_draft"](self._ctx, DRAFT_TYPES[quant], head.shape[0], _floats(w_embd),
                                          _floats(w_hidden), _floats(bias), _floats(norm), eps, _floats(head),
-                                         vocab_map.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))
+                                         _pointer(vocab_map, ctypes.c_int32))
         if rc != 0:
             raise SpecEEError(f"llama_specee_set_draft failed ({rc}): draft ids must be in [0, {self.n_vocab}) and"
                               f" at least {self.n_cand}, rows a multiple of the {quant} block")
@@ -235,7 +241,7 @@ class Context:
         ok = np.ascontiguousarray(verified, dtype=np.uint8)
         out = Decision()
         rc = C["llama_specee_decide"](self._ctx, len(layers), _int32_array(layers), _floats(z),
-                                      ok.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), ctypes.byref(out))
+                                      _pointer(ok, ctypes.c_uint8), ctypes.byref(out))
         if rc != 0:
             raise SpecEEError(f"layers must be in [0, {self.model.info.n_layer}): {list(layers)}")
         return out
@@ -441,6 +447,7 @@ class Context:
             C["llama_specee_forget"](self._ctx)
 
     def close(self) -> None:
+        self._probe_callback = None  # a Python policy holds this context: no cycle outlives close
         if getattr(self, "_ctx", None):
             _llama.llama_free(self._ctx)
             self._ctx = None
