@@ -133,6 +133,8 @@ class Chunk:
     start: int                   # n_past before the call
     tokens: tuple[int, ...]
     exit_layer: int | None       # where the call stopped (None: every layer ran)
+    exit_kind: ExitKind          # how: verified (the exit head's logits) or head-free (the candidates')
+    candidates: tuple[int, ...]  # the step's candidates (a head-free exit's logits are theirs)
     digest: bytes                # of the logits right after the call
     argmax: int
     action: int                  # the fuzzer action that made the call
@@ -186,8 +188,9 @@ class CacheRecorder:
             raise FuzzFailure(f"decode at n_past {start}, but the recorded cache holds {self.length} tokens")
         exit_layer = self._decode(tokens, **kwargs)
         logits = self.ctx.logits()
-        chunk = Chunk(start, tuple(int(t) for t in tokens), exit_layer, digest(logits), int(np.argmax(logits)),
-                      self.action)
+        step = self.ctx.step_info()
+        chunk = Chunk(start, tuple(int(t) for t in tokens), exit_layer, step.exit_kind, step.candidates,
+                      digest(logits), int(np.argmax(logits)), self.action)
         self.stack.append(chunk)
         self.made.append(chunk)
         self.length += len(chunk.tokens)
@@ -243,12 +246,12 @@ class Twin:
     def __init__(self, model: Model, mode: str, n_cand: int, n_ctx: int = N_CTX):
         self.ctx = Context(model, n_ctx=n_ctx, n_batch=N_BATCH, n_threads=N_THREADS)
         self.ctx.enable_early_exit(n_cand, mode)
-        self.ctx.set_candidates(list(range(n_cand)))  # the callback decides; the candidates do not matter
+        self.n_cand = n_cand
         self.replayed: list[Chunk] = []
         self.epoch = -1
         self.active = False
         self.compared = 0
-        self._exit: int | None = None
+        self._exit: tuple | None = None
 
     def follow(self, recorder: CacheRecorder, rng: random.Random, share: float) -> None:
         """A new conversation (the cache emptied): start over, and maybe follow it."""
@@ -258,16 +261,21 @@ class Twin:
             self.ctx.clear()
             self.replayed = []
 
-    def _force_exit(self, layer: int | None) -> None:
-        if layer == self._exit:
+    def _force_exit(self, chunk: Chunk) -> None:
+        """The chunk's exit: its layer and kind, with its candidates (a head-free exit's logits are theirs;
+        a verified exit's do not depend on them)."""
+        exit = (chunk.exit_layer, chunk.exit_kind, chunk.candidates)
+        if exit == self._exit:
             return
-        if layer is None:
+        if chunk.exit_layer is None:
             self.ctx.set_probe_callback(None)
             self.ctx.set_probe_layers([])
         else:
-            self.ctx.set_probe_layers([layer])
-            self.ctx.set_probe_callback(lambda il, _z, stop=layer: il == stop)
-        self._exit = layer
+            self.ctx.set_candidates(list(chunk.candidates) or list(range(self.n_cand)))
+            self.ctx.set_probe_layers([chunk.exit_layer])
+            self.ctx.set_probe_callback(lambda il, _z, stop=chunk.exit_layer, kind=chunk.exit_kind:
+                                        kind if il == stop else ExitKind.NONE)
+        self._exit = exit
 
     def sync(self, recorder: CacheRecorder) -> None:
         """Replay the live chunks not yet replayed; raise FuzzFailure on the first difference."""
@@ -277,7 +285,7 @@ class Twin:
         del self.replayed[k:]
         for chunk in recorder.stack[k:]:
             self.ctx.truncate(chunk.start)
-            self._force_exit(chunk.exit_layer)
+            self._force_exit(chunk)
             got = self.ctx.decode(list(chunk.tokens))
             logits = self.ctx.logits()
             if got != chunk.exit_layer or digest(logits) != chunk.digest:

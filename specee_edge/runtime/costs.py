@@ -145,7 +145,8 @@ class TokenCosts:
         check = max((ms["checked_all"] - ms["checked_one"]) / (n - 1), 0.0)
         draft = max(ms["checked_one"] - ms["plain"] - check, 0.0)
         fill = max(float(np.mean([(ms[f"stop_fill@{il}"] - ms[f"stop_free@{il}"]) / (n - 1 - il) for il in layers])), 0.0)
-        return cls(n, fixed, layer, head, draft, check, max(float(intercept) - fixed, 0.0), fill)
+        # each part is clipped at 0: on a tiny model (or a busy machine) a difference can fall below it
+        return cls(n, max(fixed, 0.0), layer, head, draft, check, max(float(intercept) - fixed, 0.0), fill)
 
     @property
     def plain_ms(self) -> float:
