@@ -19,7 +19,7 @@ What is checked, and why each check is exact:
   loop, or inside the engine just before or after a decode) reports "interrupted"; a complete one
   reports stop, length (exactly max_tokens) or context (the cache holds n_ctx tokens: exactly one
   token more than the free cells, and always when max_tokens would overrun them).
-* Cache bookkeeping, after every action: the engine's cached tokens (`_kv_tokens`) equal the tokens of
+* Cache bookkeeping, after every action: the engine's cached tokens (`cached_tokens`) equal the tokens of
   the decode calls the engine made and did not truncate (a `CacheRecorder` wraps the context's decode,
   truncate and clear), and their number equals the context's `n_past`.
 * Depth, after every action, at every cached position: `cell_depth` is what the KV mode promises for
@@ -466,7 +466,7 @@ class EngineFuzzer:
             try:
                 self.slot.recorder.action = i
                 step.outcome = self.apply(action, i)
-                step.kv_len = len(self.slot.engine._kv_tokens)
+                step.kv_len = len(self.slot.engine.cached_tokens)
                 self.check_cache(self.slot)
                 self.maybe_sync_twin(self.slot)
                 if (i + 1) % DEEP_EVERY == 0:
@@ -582,7 +582,7 @@ class EngineFuzzer:
         elif kind == "raw":
             return self.generate(slot.engine.tokenize(str(action.arg)), action.turn, index, text=str(action.arg))
         elif kind == "fill":  # a prompt that leaves `arg` free cells, over part of what is cached
-            cached = slot.engine._kv_tokens
+            cached = slot.engine.cached_tokens
             keep = max(0, len(cached) - self.rng.randint(0, 16))
             tokens = (cached[:keep] + self.filler)[: self.n_ctx - int(action.arg)]
             return self.generate(tokens, action.turn, index)
@@ -637,7 +637,7 @@ class EngineFuzzer:
         engine, recorder = slot.engine, slot.recorder
         early_exit, threshold = engine.early_exit, slot.threshold
         n_chunks = len(recorder.stack)
-        cached_before = list(engine._kv_tokens)
+        cached_before = list(engine.cached_tokens)
         expect_full = len(prompt) >= self.n_ctx
         outcome = Outcome()
         records: list[TokenRecord] = []
@@ -692,7 +692,7 @@ class EngineFuzzer:
         recorder = self.slot.recorder
         if not outcome.error.startswith("ContextFullError"):
             raise FuzzFailure(f"a prompt of at least n_ctx={self.n_ctx} tokens was not refused: {outcome.describe()}")
-        if outcome.tokens or recorder.made or self.slot.engine._kv_tokens != cached_before or len(recorder.stack) != n_chunks:
+        if outcome.tokens or recorder.made or self.slot.engine.cached_tokens != cached_before or len(recorder.stack) != n_chunks:
             raise FuzzFailure("a refused prompt changed the cache or produced tokens")
 
     def check_generation(self, turn: Turn, prompt: list[int], outcome: Outcome, records: list[TokenRecord],
@@ -750,10 +750,10 @@ class EngineFuzzer:
         """The engine's cached tokens, the context's length, the recorded decodes and the cell depths agree."""
         engine, recorder = slot.engine, slot.recorder
         n_past = engine.ctx.n_past
-        if len(engine._kv_tokens) != n_past or recorder.length != n_past:
-            raise FuzzFailure(f"cache lengths disagree: engine {len(engine._kv_tokens)}, context n_past {n_past},"
+        if len(engine.cached_tokens) != n_past or recorder.length != n_past:
+            raise FuzzFailure(f"cache lengths disagree: engine {len(engine.cached_tokens)}, context n_past {n_past},"
                               f" recorded {recorder.length}")
-        if engine._kv_tokens != recorder.tokens():
+        if engine.cached_tokens != recorder.tokens():
             raise FuzzFailure("the engine's cached tokens are not the tokens decoded into the context")
         depths = recorder.expected_depths(slot.mode, self.n_layer)
         for pos, expected in enumerate(depths):

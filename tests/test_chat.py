@@ -9,6 +9,7 @@ import os
 import pty
 import re
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -43,6 +44,7 @@ class Terminal:
     def __init__(self, argv: list[str], env: dict[str, str]):
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: its stdin/stdout/stderr and controlling terminal are the pty
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # a shell's background job inherits SIGINT ignored
             os.execve(argv[0], argv, env)
         fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
         self.raw = b""
@@ -222,7 +224,7 @@ def test_interrupted_reply_stays_in_the_conversation(engine, monkeypatch):
     monkeypatch.undo()
     assert [m["role"] for m in repl.messages] == ["user", "assistant"]
     assert repl.messages[1]["content"] and "[interrupted]" in out.getvalue()
-    assert engine.ctx.n_past == len(engine._kv_tokens)  # the cache is consistent again
+    assert engine.ctx.n_past == len(engine.cached_tokens)  # the cache is consistent again
     repl.send("Shorter, please.")
     assert [m["role"] for m in repl.messages] == ["user", "assistant", "user", "assistant"]
     assert repl.last_stats.finish_reason in ("length", "stop")

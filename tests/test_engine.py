@@ -153,7 +153,7 @@ def test_closed_stream_leaves_the_engine_usable(engine):
     next(stream)
     with pytest.raises(KeyboardInterrupt):
         stream.throw(KeyboardInterrupt)
-    assert engine.ctx.n_past == len(engine._kv_tokens)
+    assert engine.ctx.n_past == len(engine.cached_tokens)
     assert engine.generate(CHAT_PROMPT, max_tokens=24, sampling=GREEDY).tokens == expected
 
 
@@ -165,7 +165,7 @@ def test_next_turn_reuses_the_cache(engine, monkeypatch):
     first = engine.generate(first_prompt, max_tokens=16, sampling=GREEDY)
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And another one?"}]
     prompt = engine.tokenize(engine.format_chat(messages))
-    cached = list(engine._kv_tokens)
+    cached = list(engine.cached_tokens)
     n_common = next((i for i, (a, b) in enumerate(zip(cached, prompt)) if a != b), min(len(cached), len(prompt)))
     assert n_common >= len(first_prompt)  # the first turn's prompt at least is in the cache
 

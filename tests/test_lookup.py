@@ -141,7 +141,7 @@ def test_engine_lookup_follows_its_cache_across_turns_regen_clear_and_interrupti
         for n, record in enumerate(stream):
             ids.append(record.id)
             if n and record.draft_hit is not None:  # a single-token step: its lookup and candidates
-                context = engine._kv_tokens
+                context = engine.cached_tokens
                 assert engine.policy.lookup == scan(context, 4)
                 candidates = engine.policy.candidates
                 assert len(set(candidates)) == k and all(0 <= c < n_vocab for c in candidates)
@@ -154,8 +154,8 @@ def test_engine_lookup_follows_its_cache_across_turns_regen_clear_and_interrupti
                 break
         # the cache holds the prompt and every token but the last sampled one (never decoded), stopped or not
         prompt = engine.tokenize(engine.format_chat(messages))
-        assert engine._kv_tokens == prompt + ids[:-1] and len(engine._kv_tokens) == engine.ctx.n_past
-        assert engine._history.propose() == scan(engine._kv_tokens, 4)
+        assert engine.cached_tokens == prompt + ids[:-1] and len(engine.cached_tokens) == engine.ctx.n_past
+        assert engine._history.propose() == scan(engine.cached_tokens, 4)
 
     question = [{"role": "user", "content": "List three fruits, then list the same three fruits again."}]
     reply(question, 48)
@@ -165,7 +165,7 @@ def test_engine_lookup_follows_its_cache_across_turns_regen_clear_and_interrupti
                             {"role": "user", "content": "And again, please."}]
     reply(follow_up, 32)                      # the next turn extends the cache
     engine.reset()                            # /clear
-    assert engine._kv_tokens == [] and engine._history.propose() is None
+    assert engine.cached_tokens == [] and engine._history.propose() is None
     reply(question, 24)
     engine.close()
     assert proposals > 20 and exits > 0

@@ -11,11 +11,11 @@ from rich.text import Text
 
 from specee_edge.engine import Engine, GenerationStats, SamplingParams, TokenRecord
 from specee_edge.engine.exit import ExitPolicy
-from specee_edge.exits import ExitKind
+from specee_edge.exits import ExitKind, depth_band, depth_bands
 from specee_edge.pack.format import IDENTICAL_FLOOR, LayerExit
 
 # Exit-depth colours, shallow to deep: (share of the last layer index reached, style).
-DEPTH_STYLES: tuple[tuple[float, str], ...] = ((0.5, "bold green"), (0.67, "cyan"), (0.83, "yellow"), (1.0, "magenta"))
+DEPTH_STYLES: tuple[str, ...] = ("bold green", "cyan", "yellow", "magenta")  # one per band of exits.DEPTH_BAND_SHARES
 
 
 def exit_setting(engine: Engine) -> str | None:
@@ -94,24 +94,16 @@ def stats_table(stats: GenerationStats) -> Table:
 
 def depth_style(exit_layer: int | None, n_layer: int) -> str:
     """The colour of a token that left after `exit_layer` (None: it ran every layer, plain)."""
-    if exit_layer is None:
-        return ""
-    share = exit_layer / max(1, n_layer - 1)
-    return next((style for limit, style in DEPTH_STYLES if share <= limit), DEPTH_STYLES[-1][1])
+    return "" if exit_layer is None else DEPTH_STYLES[depth_band(exit_layer, n_layer)]
 
 
 def depth_legend(n_layer: int) -> Text:
     """The layer range of each colour, e.g. `exit depth: 0-14 15-19 20-24 25-28 full`."""
-    last = n_layer - 1
     legend = Text("exit depth: ")
-    low = 0
-    for limit, style in DEPTH_STYLES:
-        high = min(int(limit * last), last - 1)
-        if high >= low:
-            legend.append(f"{low}-{high}" if high > low else f"{low}", style=style)
-            legend.append(" ")
-        low = high + 1
-    legend.append(f"full ({last})")
+    for low, high, band in depth_bands(n_layer):
+        legend.append(f"{low}-{high}" if high > low else f"{low}", style=DEPTH_STYLES[band])
+        legend.append(" ")
+    legend.append(f"full ({n_layer - 1})")
     return legend
 
 

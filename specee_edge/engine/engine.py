@@ -105,8 +105,9 @@ class Engine:
         return kv_mode
 
     @property
-    def _kv_tokens(self) -> list[int]:
-        return self._history.tokens
+    def cached_tokens(self) -> list[int]:
+        """The tokens whose K/V the cache holds, in order (a copy)."""
+        return list(self._history.tokens)
 
     # --- one token -------------------------------------------------------------------------
 
@@ -129,19 +130,21 @@ class Engine:
                            draft_ms=step.draft_ms, forward_ms=(t1 - t0) * 1e3,
                            predictor_ms=step.predictor_ms, verify_ms=step.verify_ms)
 
-    def _prefill(self, tokens: list[int]) -> None:
-        """Make the cache hold `tokens`, decoding only what it lacks; logits for the last one.
+    def _prefill(self, tokens: list[int]) -> int:
+        """Make the cache hold `tokens`, decoding only what it lacks; logits for the last one. Returns how
+        many of them the cache already held.
 
         What is decoded is a batch of at least two tokens (one cached token more when only one is new,
         as after /regen): batches never exit early, whereas a single token is a step like any other.
         """
         n_common = 0
-        for a, b in zip(self._kv_tokens, tokens):
+        cached = self._history.tokens
+        for a, b in zip(cached, tokens):
             if a != b:
                 break
             n_common += 1
         n_common = min(n_common, max(len(tokens) - 2, 0))
-        if n_common < len(self._kv_tokens):
+        if n_common < len(cached):
             self.ctx.truncate(n_common)
             self._history.truncate(n_common)
         batch = tokens[n_common:]
@@ -152,6 +155,7 @@ class Engine:
         self._history.extend(batch)
         self.ctx.decode(batch)
         self._last_step = None
+        return n_common
 
     def temperature(self) -> float:
         """What the last step's logits are divided by: its exit layer's calibrated temperature (1 without an exit)."""
@@ -210,7 +214,7 @@ class Engine:
         history = list(tokens)
         try:
             t0 = time.perf_counter()
-            self._prefill(tokens)
+            stats.n_cached = self._prefill(tokens)
             record = TokenRecord(-1, "", None, 0, 0, None)
             for n in range(max_tokens):
                 t_sample = time.perf_counter()

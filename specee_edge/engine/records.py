@@ -32,6 +32,7 @@ class GenerationStats:
     n_layer: int
     early_exit: bool
     n_prompt: int = 0
+    n_cached: int = 0             # prompt tokens whose K/V the cache already held (not decoded again)
     n_decode: int = 0
     prompt_s: float = 0.0
     decode_s: float = 0.0
