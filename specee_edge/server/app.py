@@ -1,0 +1,283 @@
+"""The HTTP side: OpenAI's chat and completion endpoints over one engine, the models list, health, the page.
+
+Every request becomes a Job for the engine's worker thread; the handler waits for the job's first event,
+so a request that cannot be served (a prompt beyond the context, say) gets its status code before any
+byte of a stream is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from importlib import resources
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specee_edge.engine import Engine, GenerationStats, TokenRecord
+from specee_edge.errors import ContextFullError, SpecEEError
+from specee_edge.exits import depth_band, depth_bands
+from specee_edge.pack import PackLevelError
+from specee_edge.server import protocol
+from specee_edge.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
+from specee_edge.server.worker import EngineWorker, Job, QueueFullError
+
+# The page's colour of each exit-depth band (exits.DEPTH_BAND_SHARES), the terminal's hues (green, cyan,
+# yellow, magenta) in shades that read on white.
+BAND_COLOURS = ("#2e9e44", "#1a9fb5", "#c49a00", "#b4379c")
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServerConfig:
+    model_id: str              # what /v1/models lists and requests may name
+    model_aliases: frozenset[str]
+    api_key: str | None = None
+    max_queue: int = 16
+    chat_template: str | None = None  # instead of the model's
+
+
+class ApiError(Exception):
+    """A request the server answers with OpenAI's error object and `status`."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.code, self.param, self.headers = status, kind, code, param, headers
+
+
+def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    app = FastAPI(title="specee-edge", docs_url=None, redoc_url=None, openapi_url=None)
+    worker = EngineWorker(engine, max_queue=config.max_queue)
+    app.state.worker = worker
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(error_body(str(e), e.kind, e.code, e.param), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def server_bug(_: Request, e: Exception) -> JSONResponse:  # logged by uvicorn; the client gets one line
+        return JSONResponse(error_body(f"the server failed: {type(e).__name__}: {e}", "server_error"), status_code=500)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(_validation_message(e)), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+
+    def check_api_key(request: Request) -> None:
+        """With --api-key, every /v1/ route wants it (a dependency, not a middleware: Starlette's
+        middlewares get in the way of noticing a client that disconnects)."""
+        if not config.api_key:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not secrets.compare_digest(given.encode(), config.api_key.encode()):
+            what = "a wrong API key" if given else "no API key"
+            raise ApiError(401, f"{what}: send Authorization: Bearer KEY", "authentication_error", "invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "queued": worker.queued, "tokens_generated": worker.tokens_generated}
+
+    @v1.get("/models")
+    async def models() -> dict:
+        policy = engine.policy
+        levels = [level.quality for level in policy.pack.levels] if policy else []
+        bands = [{"first": first, "last": last, "colour": BAND_COLOURS[band]}
+                 for first, last, band in depth_bands(engine.n_layer)]
+        specee = {"n_layer": engine.n_layer, "n_ctx": engine.ctx.n_ctx, "early_exit": engine.early_exit,
+                  "quality_levels": levels, "quality": _level_quality(engine, engine.config.quality), "depth_bands": bands,
+                  "layer_colours": [BAND_COLOURS[depth_band(layer, engine.n_layer)] for layer in range(engine.n_layer)]}
+        return {"object": "list", "data": [{"id": config.model_id, "object": "model", "created": 0,
+                                            "owned_by": "specee-edge", "specee": specee}]}
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        prompt = _format_chat(engine, body, config.chat_template)
+        return await _complete(request, body, prompt, chat=True)
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        try:
+            prompt = body.prompt_text()
+        except ValueError as e:
+            raise ApiError(400, str(e), param="prompt") from None
+        return await _complete(request, body, prompt, chat=False)
+
+    app.include_router(v1)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> str:
+        return resources.files("specee_edge.server").joinpath("static/index.html").read_text()
+
+    @app.on_event("shutdown")
+    def stop_worker() -> None:
+        worker.close()
+
+    async def _complete(request: Request, body: SamplingFields, prompt: str, *, chat: bool) -> Response:
+        _check_model(config, body.model)
+        if body.n != 1:
+            raise ApiError(400, f"n must be 1 (one choice per request), got {body.n}", code="unsupported_value")
+        quality = _request_quality(engine, body.quality, engine.config.quality)
+        max_tokens = body.max_tokens or engine.ctx.n_ctx  # none: until the context is full
+        job = Job(prompt, max_tokens, body.sampling(), body.stops(), quality, asyncio.get_running_loop())
+        try:
+            worker.submit(job)
+        except QueueFullError as e:
+            raise ApiError(503, str(e), "server_error", "queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        reply = Reply(job, request, chat, config.model_id, _level_quality(engine, quality))
+        try:
+            first = await reply.next_event()
+        except BaseException:
+            job.cancel()
+            raise
+        if first[0] == "error":
+            job.cancel()
+            raise _api_error(first[1])
+        if body.stream:
+            return EventSourceResponse(reply.chunks(first, body.include_usage), sep="\n")
+        return JSONResponse(await reply.whole(first))
+
+    return app
+
+
+class Reply:
+    """One request's events turned into OpenAI's response objects: whole, or as stream chunks."""
+
+    def __init__(self, job: Job, request: Request, chat: bool, model_id: str, quality: float | None):
+        self.job, self.request, self.chat, self.model_id, self.quality = job, request, chat, model_id, quality
+        self.id = protocol.new_id("chatcmpl" if chat else "cmpl")
+        self.created = protocol.created()
+        self.n_tokens = 0
+
+    async def next_event(self) -> tuple[str, TokenRecord | GenerationStats | Exception]:
+        """The job's next event; a client that goes away meanwhile cancels the job."""
+        while True:
+            try:
+                event = await asyncio.wait_for(self.job.events.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await self.request.is_disconnected():
+                    self.job.cancel()
+                    raise asyncio.CancelledError("the client has gone") from None
+                continue
+            self.n_tokens += event[0] == "token"
+            return event
+
+    async def whole(self, event: tuple) -> dict:
+        pieces = []
+        while event[0] == "token":
+            pieces.append(event[1].text)
+            event = await self.next_event()
+        if event[0] == "error":
+            raise _api_error(event[1])
+        stats = event[1]
+        text = "".join(pieces)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if self.chat
+                  else {"index": 0, "text": text, "logprobs": None})
+        choice["finish_reason"] = protocol.finish_reason(stats)
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model_id, "choices": [choice],
+                "usage": protocol.usage(stats, self.n_tokens),
+                "specee": protocol.reply_extension(stats, self.quality)}
+
+    async def chunks(self, event: tuple, include_usage: bool) -> AsyncIterator[dict]:
+        """Server-sent events: a chunk per token, one with the finish reason and the reply's figures, [DONE]."""
+        try:
+            if self.chat:
+                yield self._chunk({"delta": {"role": "assistant", "content": ""}})
+            while event[0] == "token":
+                record = event[1]
+                piece = {"delta": {"content": record.text}} if self.chat else {"text": record.text}
+                yield self._chunk(piece, specee=protocol.token_extension(record))
+                event = await self.next_event()
+            if event[0] == "error":  # after the first token only a bug gets here: end the stream with it
+                yield {"data": json.dumps(error_body(str(event[1]), "server_error"))}
+                return
+            stats = event[1]
+            last = {"delta": {}} if self.chat else {"text": ""}
+            yield self._chunk(last | {"finish_reason": protocol.finish_reason(stats)},
+                              specee=protocol.reply_extension(stats, self.quality))
+            if include_usage:
+                yield {"data": json.dumps(self._object([]) | {"usage": protocol.usage(stats, self.n_tokens)})}
+            yield {"data": "[DONE]"}
+        finally:  # the client went away mid-stream (or the stream ended): stop at the next token
+            self.job.cancel()
+
+    def _object(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model_id, "choices": choices}
+
+    def _chunk(self, choice: dict, specee: dict | None = None) -> dict:
+        body = self._object([{"index": 0, "finish_reason": None} | choice])
+        if specee is not None:
+            body["specee"] = specee
+        return {"data": json.dumps(body)}
+
+
+def _format_chat(engine: Engine, body: ChatCompletionRequest, template: str | None) -> str:
+    try:
+        return engine.format_chat([m.for_template() for m in body.messages], template)
+    except SpecEEError as e:
+        raise ApiError(400, str(e), param="messages") from None
+    except Exception as e:  # the template's own error (a role order it refuses, say)
+        raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+
+
+def _check_model(config: ServerConfig, name: str | None) -> None:
+    if name and name not in config.model_aliases:
+        raise ApiError(404, f"the model {name!r} does not exist here: this server has {config.model_id!r}",
+                       "not_found_error", "model_not_found")
+
+
+def _request_quality(engine: Engine, value: float | str | None, server_quality: float | None) -> float | None:
+    """A request's `quality`: a level of the pack's (checked now, so that the request fails with 400); the
+    server's --quality where it names none, the pack's default level for `default`."""
+    if value is None:
+        return server_quality
+    if value == "default":
+        return None
+    if engine.policy is None:
+        raise ApiError(400, "quality levels come from a pack, and this server has none", param="quality")
+    try:
+        engine.policy.pack.level(float(value))
+    except PackLevelError as e:
+        raise ApiError(400, str(e), param="quality") from None
+    return float(value)
+
+
+def _level_quality(engine: Engine, quality: float | None) -> float | None:
+    """The quality of the level a request runs at (None: no levels, or early exit off)."""
+    if engine.policy is None or not engine.early_exit or not engine.policy.pack.levels:
+        return None
+    return engine.policy.pack.level(quality).quality
+
+
+def _api_error(e: Exception) -> ApiError:
+    if isinstance(e, ContextFullError):
+        return ApiError(400, str(e), code="context_length_exceeded", param="messages")
+    if isinstance(e, SpecEEError):
+        return ApiError(400, str(e))
+    return ApiError(500, f"the server failed: {type(e).__name__}: {e}", "server_error")
+
+
+def _validation_message(e: RequestValidationError) -> str:
+    """FastAPI's first validation error, in one line: `messages.0.role: Input should be ...`."""
+    errors = e.errors()
+    if not errors:
+        return "the request body is not valid"
+    first = errors[0]
+    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('msg')}"
+    return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))

@@ -1,0 +1,122 @@
+"""One engine, many clients: requests wait in arrival order for the one thread that owns the engine.
+
+The engine is not thread-safe and a model's decode uses every core, so requests are served one at a time.
+Each request is a Job: the worker thread streams its records into the job's asyncio queue, and checks
+before each token whether the client has gone, so a disconnect frees the engine within one token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from specee_edge.engine import Engine, GenerationStats, SamplingParams, TokenRecord
+from specee_edge.errors import SpecEEError
+
+log = logging.getLogger("specee_edge.server")
+
+EventKind = Literal["token", "done", "error"]
+
+
+class QueueFullError(SpecEEError):
+    """The queue holds as many requests as it may: the client should retry later."""
+
+
+@dataclass
+class Job:
+    """One request's generation, and the channel its events come back through."""
+
+    prompt: str
+    max_tokens: int
+    sampling: SamplingParams
+    stop: Sequence[str]
+    quality: float | None  # the pack's level for this request (None: the pack's default)
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, kind: EventKind, value: TokenRecord | GenerationStats | Exception) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+    def cancel(self) -> None:
+        """The client has gone: the worker stops before the next token (or skips the job if it waits)."""
+        self.cancelled.set()
+
+
+class EngineWorker:
+    """The thread that owns the engine, and the bounded queue in front of it."""
+
+    def __init__(self, engine: Engine, *, max_queue: int):
+        self.engine = engine
+        self.max_queue = max_queue  # requests waiting or running
+        self._quality = engine.config.quality  # the level the engine is set to
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._in_queue = 0
+        self.tokens_generated = 0  # over the server's life, cancelled replies' tokens included
+        self._thread = threading.Thread(target=self._run, name="specee-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self._in_queue >= self.max_queue:
+                raise QueueFullError(f"the server is busy: {self._in_queue} requests are queued (--max-queue {self.max_queue})")
+            self._in_queue += 1
+        self._jobs.put(job)
+
+    @property
+    def queued(self) -> int:
+        with self._lock:
+            return self._in_queue
+
+    def close(self) -> None:
+        """Finish the job in hand (its client is told nothing more) and stop the thread."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                if not job.cancelled.is_set():
+                    self._serve(job)
+            except Exception as e:  # a bug, not bad input: log it, tell the client, keep serving
+                log.exception("generation failed")
+                job.emit("error", e)
+            finally:
+                with self._lock:
+                    self._in_queue -= 1
+
+    def _serve(self, job: Job) -> None:
+        engine = self.engine
+        if engine.policy is not None and job.quality != self._quality:
+            engine.set_quality(job.quality)
+            self._quality = job.quality
+        try:
+            tokens = engine.tokenize(job.prompt)
+            reuse_cache(engine, tokens)
+            stream = engine.stream(tokens, max_tokens=job.max_tokens, sampling=job.sampling, stop=job.stop)
+            for record in stream:
+                if job.cancelled.is_set():
+                    stream.close()  # the engine keeps what it decoded, consistently (as Ctrl+C does)
+                    return
+                self.tokens_generated += 1
+                job.emit("token", record)
+        except SpecEEError as e:
+            job.emit("error", e)
+            return
+        job.emit("done", engine.stats)
+
+
+def reuse_cache(engine: Engine, tokens: Sequence[int]) -> None:
+    """Keep the cache only for a prompt that extends what it holds (a conversation's next turn), where
+    reusing it changes nothing but the time; anything else starts from an empty cache, so that a reply
+    does not depend on which request came before (a prompt decoded in other batches can differ in the
+    last bits of its K/V)."""
+    cached = engine.cached_tokens
+    if cached and list(tokens[:len(cached)]) != cached:
+        engine.reset()
