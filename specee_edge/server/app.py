@@ -11,6 +11,7 @@ import asyncio
 import json
 import secrets
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
 
@@ -26,7 +27,7 @@ from specee_edge.exits import depth_band, depth_bands
 from specee_edge.pack import PackLevelError
 from specee_edge.server import protocol
 from specee_edge.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
-from specee_edge.server.worker import EngineWorker, Job, QueueFullError
+from specee_edge.server.worker import EngineWorker, Job, QueueFullError, ServerClosingError
 
 # The page's colour of each exit-depth band (exits.DEPTH_BAND_SHARES), the terminal's hues (green, cyan,
 # yellow, magenta) in shades that read on white.
@@ -53,9 +54,14 @@ class ApiError(Exception):
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
-    app = FastAPI(title="specee-edge", docs_url=None, redoc_url=None, openapi_url=None)
     worker = EngineWorker(engine, max_queue=config.max_queue)
-    app.state.worker = worker
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        worker.close()  # after uvicorn has closed the connections, which cancels their jobs
+
+    app = FastAPI(title="specee-edge", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -75,8 +81,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
 
     def check_api_key(request: Request) -> None:
-        """With --api-key, every /v1/ route wants it (a dependency, not a middleware: Starlette's
-        middlewares get in the way of noticing a client that disconnects)."""
+        """With --api-key, every /v1/ route wants it (/health and the page stay open)."""
         if not config.api_key:
             return
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
@@ -121,10 +126,6 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def page() -> str:
         return resources.files("specee_edge.server").joinpath("static/index.html").read_text()
 
-    @app.on_event("shutdown")
-    def stop_worker() -> None:
-        worker.close()
-
     async def _complete(request: Request, body: SamplingFields, prompt: str, *, chat: bool) -> Response:
         _check_model(config, body.model)
         if body.n != 1:
@@ -137,17 +138,18 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         except QueueFullError as e:
             raise ApiError(503, str(e), "server_error", "queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         reply = Reply(job, request, chat, config.model_id, _level_quality(engine, quality))
+        streaming = False
         try:
             first = await reply.next_event()
-        except BaseException:
-            job.cancel()
-            raise
-        if first[0] == "error":
-            job.cancel()
-            raise _api_error(first[1])
-        if body.stream:
-            return EventSourceResponse(reply.chunks(first, body.include_usage), sep="\n")
-        return JSONResponse(await reply.whole(first))
+            if first[0] == "error":
+                raise _api_error(first[1])
+            if body.stream:
+                streaming = True  # from here the stream's own end (or the client's going) cancels the job
+                return EventSourceResponse(reply.chunks(first, body.include_usage), sep="\n")
+            return JSONResponse(await reply.whole(first))
+        finally:
+            if not streaming:  # answered, failed, or the client went away (or the server stops): a no-op once done
+                job.cancel()
 
     return app
 
@@ -266,6 +268,8 @@ def _level_quality(engine: Engine, quality: float | None) -> float | None:
 def _api_error(e: Exception) -> ApiError:
     if isinstance(e, ContextFullError):
         return ApiError(400, str(e), code="context_length_exceeded", param="messages")
+    if isinstance(e, ServerClosingError):
+        return ApiError(503, str(e), "server_error", "shutting_down")
     if isinstance(e, SpecEEError):
         return ApiError(400, str(e))
     return ApiError(500, f"the server failed: {type(e).__name__}: {e}", "server_error")

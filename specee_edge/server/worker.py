@@ -27,6 +27,10 @@ class QueueFullError(SpecEEError):
     """The queue holds as many requests as it may: the client should retry later."""
 
 
+class ServerClosingError(SpecEEError):
+    """The server stops before it got to the request."""
+
+
 @dataclass
 class Job:
     """One request's generation, and the channel its events come back through."""
@@ -59,6 +63,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._in_queue = 0
         self.tokens_generated = 0  # over the server's life, cancelled replies' tokens included
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="specee-engine", daemon=True)
         self._thread.start()
 
@@ -75,14 +80,17 @@ class EngineWorker:
             return self._in_queue
 
     def close(self) -> None:
-        """Finish the job in hand (its client is told nothing more) and stop the thread."""
+        """Stop the thread once the job in hand ends; jobs still waiting are told the server is stopping."""
+        self._closing = True
         self._jobs.put(None)
         self._thread.join()
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
-                if not job.cancelled.is_set():
+                if self._closing:
+                    job.emit("error", ServerClosingError("the server is shutting down"))
+                elif not job.cancelled.is_set():
                     self._serve(job)
             except Exception as e:  # a bug, not bad input: log it, tell the client, keep serving
                 log.exception("generation failed")
