@@ -32,6 +32,8 @@ def serve(
     max_queue: Annotated[int, typer.Option("--max-queue", help="requests waiting or running at most; more get 503")] = 16,
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) and a chat page at /."""
+    from specee_edge.cli.render import exit_setting, level_warning
+
     try:
         import uvicorn
 
@@ -52,10 +54,12 @@ def serve(
     config = ServerConfig(model_id=label, model_aliases=frozenset({label, path.name, path.stem, str(path)}),
                           api_key=api_key, max_queue=max_queue, chat_template=template)
     line = {"highlight": False, "markup": False, "soft_wrap": True}
-    state = "early exit on" if engine.early_exit else "early exit off"
+    setting = exit_setting(engine)
+    state = f"early exit {'on' if engine.early_exit else 'off'}{f', {setting}' if setting else ''}"
     console.print(f"specee-edge serve · {path.name} ({engine.n_layer} layers) · {state}", **line)
-    if notice:
-        console.print(notice, style="yellow", **line)
+    for warning in (notice, level_warning(engine)):
+        if warning:
+            console.print(warning, style="yellow", **line)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     console.print(f"chat page {url}/ · OpenAI API {url}/v1 · Ctrl+C stops", **line)
     try:
