@@ -637,7 +637,7 @@ class EngineFuzzer:
         engine, recorder = slot.engine, slot.recorder
         early_exit, threshold = engine.early_exit, slot.threshold
         n_chunks = len(recorder.stack)
-        cached_before = list(engine.cached_tokens)
+        cached_before = engine.cached_tokens
         expect_full = len(prompt) >= self.n_ctx
         outcome = Outcome()
         records: list[TokenRecord] = []

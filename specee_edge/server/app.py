@@ -163,18 +163,22 @@ class Reply:
         self.created = protocol.created()
         self.n_tokens = 0
 
-    async def next_event(self) -> tuple[str, TokenRecord | GenerationStats | Exception]:
-        """The job's next event; a client that goes away meanwhile cancels the job."""
+    async def next_event(self, *, watch_client: bool = True) -> tuple[str, TokenRecord | GenerationStats | Exception]:
+        """The job's next event; a client that goes away meanwhile cancels the job. A stream passes
+        watch_client=False: its response (sse-starlette) already listens for the disconnect, and a second
+        listener on the same connection would only add a task and a poll per token."""
+        event = await (self._event_unless_gone() if watch_client else self.job.events.get())
+        self.n_tokens += event[0] == "token"
+        return event
+
+    async def _event_unless_gone(self) -> tuple[str, TokenRecord | GenerationStats | Exception]:
         while True:
             try:
-                event = await asyncio.wait_for(self.job.events.get(), timeout=0.25)
+                return await asyncio.wait_for(self.job.events.get(), timeout=0.25)
             except asyncio.TimeoutError:
                 if await self.request.is_disconnected():
                     self.job.cancel()
                     raise asyncio.CancelledError("the client has gone") from None
-                continue
-            self.n_tokens += event[0] == "token"
-            return event
 
     async def whole(self, event: tuple) -> dict:
         pieces = []
@@ -202,7 +206,7 @@ class Reply:
                 record = event[1]
                 piece = {"delta": {"content": record.text}} if self.chat else {"text": record.text}
                 yield self._chunk(piece, specee=protocol.token_extension(record))
-                event = await self.next_event()
+                event = await self.next_event(watch_client=False)
             if event[0] == "error":  # after the first token only a bug gets here: end the stream with it
                 yield {"data": json.dumps(error_body(str(event[1]), "server_error"))}
                 return
