@@ -50,7 +50,7 @@ def always(model: Model, ctx: Context, layers: list[int], kind: ExitKind) -> Non
 
 
 def drafted_context(model: Model, kv_mode: str = "fill", **kwargs) -> Context:
-    ctx = Context(model, n_ctx=64, **kwargs)
+    ctx = Context(model, n_threads=1, n_ctx=64, **kwargs)
     ctx.enable_early_exit(K, kv_mode)
     ctx.set_draft(**random_draft(model))
     return ctx
@@ -77,7 +77,7 @@ def test_a_head_free_exit_returns_the_candidates_logits_and_runs_no_head(tiny):
 
 def test_the_last_layers_check_skips_the_output_head(tiny):
     n_layer = tiny.info.n_layer
-    plain = Context(tiny, n_ctx=64)
+    plain = Context(tiny, n_threads=1, n_ctx=64)
     plain.decode(PROMPT)
     plain.decode([4])
     reference = plain.logits().copy()
@@ -101,7 +101,7 @@ def test_each_knob_shapes_the_next_graph(tiny):
     """What a graph holds follows every knob at the next decode: exits on and off, a layer's kind, the
     schedule, a new draft head, a shallow cell."""
     n_layer = tiny.info.n_layer
-    ctx = Context(tiny, n_ctx=64)
+    ctx = Context(tiny, n_threads=1, n_ctx=64)
     ctx.enable_early_exit(K, "mask")
     ctx.decode(PROMPT)
 
@@ -172,7 +172,7 @@ def test_clear_forgets_the_drafts_previous_hidden_state(tiny):
 
 
 def test_truncating_a_stopped_token_drops_its_pending_layers_in_full_mode(tiny):
-    ctx = Context(tiny, n_ctx=64)
+    ctx = Context(tiny, n_threads=1, n_ctx=64)
     ctx.enable_early_exit(K, "full")
     ctx.set_candidates([1, 2, 3, 4])
     ctx.set_probe_callback(lambda il, z: ExitKind.VERIFIED if il == 1 else ExitKind.NONE)
@@ -188,7 +188,7 @@ def test_truncating_a_stopped_token_drops_its_pending_layers_in_full_mode(tiny):
 
 
 def test_steps_without_candidates_report_none(tiny):
-    ctx = Context(tiny, n_ctx=64)
+    ctx = Context(tiny, n_threads=1, n_ctx=64)
     ctx.enable_early_exit(K, "mask")
     ctx.decode(PROMPT)
     ctx.decode([4])
@@ -209,7 +209,7 @@ def test_inputs_are_checked_at_the_c_boundary(tiny):
 
 
 def test_a_new_draft_waits_for_a_full_mode_tokens_remaining_layers(tiny):
-    ctx = Context(tiny, n_ctx=64)
+    ctx = Context(tiny, n_threads=1, n_ctx=64)
     ctx.enable_early_exit(K, "full")
     ctx.set_draft(**random_draft(tiny))
     always(tiny, ctx, [1], ExitKind.HEAD_FREE)

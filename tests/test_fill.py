@@ -103,7 +103,7 @@ def reference_kv(index: GGUFIndex, il: int, h: np.ndarray, pos: int, base: float
 
 def filled(model: Model, exit_layer: int) -> tuple[bytes, np.ndarray]:
     """The sequence state after a token stopped (head-free) at exit_layer in fill mode, and its h_exit."""
-    ctx = Context(model, n_ctx=64)
+    ctx = Context(model, n_threads=1, n_ctx=64)
     ctx.enable_early_exit(4, "fill")
     ctx.set_candidates([1, 2, 3, 4])
     ctx.set_probe_callback(lambda il, z: ExitKind.HEAD_FREE if il == exit_layer else ExitKind.NONE)

@@ -46,10 +46,10 @@ def test_cells_reused_after_the_window_moved_on_never_leak_stale_kv(swa_model, m
     left the window: their K/V stay in the layers a reusing token skips. Exiting every other token at
     layer 0, decoding must match a cache that never reuses a cell (swa_full on: those rows hold zeros)."""
     prompt = swa_model.tokenize(TINY_PROMPT)
-    continuation = greedy(Context(swa_model, n_ctx=512), prompt, 300)
+    continuation = greedy(Context(swa_model, n_threads=1, n_ctx=512), prompt, 300)
 
     def run(swa_full: bool) -> np.ndarray:
-        ctx = Context(swa_model, n_ctx=512, n_batch=64, swa_full=swa_full)
+        ctx = Context(swa_model, n_threads=1, n_ctx=512, n_batch=64, swa_full=swa_full)
         ctx.enable_early_exit(4, mode)
         return forced_exit_run(ctx, prompt, continuation, exit_layer=0)
 
@@ -57,7 +57,7 @@ def test_cells_reused_after_the_window_moved_on_never_leak_stale_kv(swa_model, m
     # the same cells in another order: only the order of the attention sums differs
     np.testing.assert_allclose(reusing, fresh, rtol=1e-4, atol=1e-5)
     # the comparison can fail: the exits changed what later tokens see
-    never_exited = teacher_forced(Context(swa_model, n_ctx=512, n_batch=64, swa_full=False), prompt, continuation)
+    never_exited = teacher_forced(Context(swa_model, n_threads=1, n_ctx=512, n_batch=64, swa_full=False), prompt, continuation)
     assert not np.allclose(reusing[1::2], never_exited[1::2], atol=1e-3)
 
 
@@ -65,14 +65,14 @@ def test_the_window_cache_reuses_cells_without_swa_full(swa_model):
     """What the test above relies on: without swa_full the window cache drops positions behind the window."""
     prompt = swa_model.tokenize(TINY_PROMPT)
     for swa_full, first_kept in ((False, lambda p: p > 0), (True, lambda p: p == 0)):
-        ctx = Context(swa_model, n_ctx=512, n_batch=64, swa_full=swa_full)
+        ctx = Context(swa_model, n_threads=1, n_ctx=512, n_batch=64, swa_full=swa_full)
         greedy(ctx, prompt, 300)
         assert first_kept(llama_c.llama_memory_seq_pos_min(ctx._mem, 0))
 
 
 def exited_at_layer_1(model: Model) -> tuple[Context, int, int]:
     """A mask-mode context whose last token (at position p) stopped after layer 1: (ctx, p, token)."""
-    ctx = Context(model, n_ctx=128)
+    ctx = Context(model, n_threads=1, n_ctx=128)
     ctx.enable_early_exit(4, "mask")
     ctx.set_probe_layers([1])
     ctx.decode(model.tokenize(TINY_PROMPT))
@@ -136,14 +136,14 @@ def test_a_gguf_without_a_chat_template_gets_its_registry_entry_s(base_model_ent
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}]
     registry = os.environ[REGISTRY_ENV]
     monkeypatch.delenv(REGISTRY_ENV)  # the shipped registry does not know the file
-    engine = Engine(base_model_entry, pack=None, config=EngineConfig(n_ctx=128, n_threads=2))
+    engine = Engine(base_model_entry, pack=None, config=EngineConfig(n_ctx=128, n_threads=1))
     with pytest.raises(SpecEEError, match="has no chat template: pass --chat-template .*gemma"):
         engine.format_chat(messages)
     assert engine.prompting == "chat"
 
     monkeypatch.setenv(REGISTRY_ENV, registry)
     assert entry_for_file(base_model_entry).chat_template == "gemma"
-    engine = Engine(base_model_entry, pack=None, config=EngineConfig(n_ctx=128, n_threads=2))
+    engine = Engine(base_model_entry, pack=None, config=EngineConfig(n_ctx=128, n_threads=1))
     assert engine.chat_template == GEMMA_CHAT_TEMPLATE
     text = engine.format_chat(messages)
     assert text == "<start_of_turn>user\nBe brief.\n\nhello world<end_of_turn>\n<start_of_turn>model\n"
@@ -171,7 +171,7 @@ def test_in_graph_draft_reads_the_unscaled_embedding_and_the_last_hidden_state(s
                "head.weight": rng.standard_normal((len(vocab_map), n_embd)).astype(np.float32),
                "norm.weight": np.ones(n_embd, np.float32), "norm.eps": np.array([1e-6], np.float32)}
     draft = LinearDraft(DraftHead("linear", tensors, vocab_map), TargetWeights(swa_model.info.path), 4)
-    ctx = Context(swa_model, n_ctx=128)
+    ctx = Context(swa_model, n_threads=1, n_ctx=128)
     ctx.enable_early_exit(4, "fill")
     ctx.set_draft(w_embd=draft.w_embd, w_hidden=draft.w_hidden, bias=draft.bias, norm=draft.gamma, eps=draft.eps,
                   head=draft.head, vocab_map=draft.vocab_map, quant=draft.quant)

@@ -57,7 +57,7 @@ def tiny(tmp_path_factory):
 def test_the_c_and_python_rules_decide_alike(tiny):
     rng = np.random.default_rng(7)
     n_layer = tiny.info.n_layer
-    ctx = Context(tiny, n_ctx=32)
+    ctx = Context(tiny, n_threads=1, n_ctx=32)
     ctx.enable_early_exit(K, "mask")
     decided = ties = 0
     kinds = {kind: 0 for kind in ExitKind}
