@@ -178,6 +178,11 @@ int32_t llama_specee_resume(llama_context * ctx) {
     return sp ? sp->resume(false) : 1;
 }
 
+int32_t llama_specee_draft_from_row(llama_context * ctx, int32_t row) {
+    auto * sp = ctx->get_specee();
+    return sp ? sp->draft_from_row(row) : -1;
+}
+
 void llama_specee_forget(llama_context * ctx) {
     auto * sp = ctx->get_specee();
     if (sp) {

@@ -96,6 +96,7 @@ struct llama_specee {
     void begin_graph(llm_graph_result * graph_res, const llama_ubatch & ubatch); // after the inputs are set
     bool end_graph(float * logits_out);                                         // true if the token stopped
     int32_t resume(bool complete);
+    int32_t draft_from_row(int32_t row);
     void    forget();
     const float * probe_logits();
     const float * exit_head_logits();
@@ -196,6 +197,7 @@ private:
     ggml_context_ptr          draft_ctx;
     ggml_backend_buffer_ptr   draft_buf;
     llm_graph_specee_draft    draft;
+    int32_t rows_kept = 0; // output rows of the last multi-row graph in draft.h_rows (0: none)
 
     // the caller's candidates for the next single-token graph, and the inputs that merge them
     std::vector<int32_t> draft_row;    // [n_vocab] a target id's row in the draft head, -1 if none

@@ -110,6 +110,13 @@ void llama_specee::begin_graph(llm_graph_result * graph_res, const llama_ubatch 
     info_cand_read  = false;
     std::fill(capture_rows.begin(), capture_rows.end(), 0);
 
+    // the rows a batch graph leaves in draft.h_rows (0009's graph copies them when they fit); any other
+    // graph makes the rows of an earlier one stale
+    const ggml_tensor * last_out = res->t_specee_hidden[n_layer - 1];
+    const bool rows_copied = next_graph.draft.h_rows && last_out && last_out->ne[1] > 1 &&
+                             last_out->ne[1] <= next_graph.draft.h_rows->ne[1];
+    rows_kept = rows_copied ? (int32_t) last_out->ne[1] : 0;
+
     const bool draft_graph = res->t_specee_cand && !(res->t_specee_cand->flags & GGML_TENSOR_FLAG_INPUT);
     if (res->t_specee_cand && !draft_graph) {
         ggml_backend_tensor_set(res->t_specee_cand, cand.data(), 0, n_cand*sizeof(llama_token));
@@ -491,6 +498,19 @@ int32_t llama_specee::resume(bool complete) {
     return 0;
 }
 
+int32_t llama_specee::draft_from_row(int32_t row) {
+    if (!draft.head) {
+        return -1;
+    }
+    if (row < 0 || row >= rows_kept) {
+        return -2;
+    }
+    std::vector<float> h(n_embd);
+    ggml_backend_tensor_get(draft.h_rows, h.data(), row*draft.h_rows->nb[1], n_embd*sizeof(float));
+    ggml_backend_tensor_set(draft.h_prev, h.data(), 0, n_embd*sizeof(float));
+    return 0;
+}
+
 void llama_specee::forget() {
     exit_layer = -1; // a stopped token of full mode no longer completes at the next decode
     exit_kind  = LLAMA_SPECEE_EXIT_NONE;
@@ -523,7 +543,7 @@ int32_t llama_specee::set_draft(ggml_type type, int32_t n_draft_vocab, const flo
 
     // the new tensors are made while the old ones still exist, so that no pointer of the new draft equals
     // one of the old: the graph-reuse check compares them
-    ggml_init_params params = { ggml_tensor_overhead()*8, nullptr, /*.no_alloc =*/ true };
+    ggml_init_params params = { ggml_tensor_overhead()*9, nullptr, /*.no_alloc =*/ true };
     ggml_context_ptr ctx_ptr(ggml_init(params));
     ggml_context * ctx = ctx_ptr.get();
     llm_graph_specee_draft d;
@@ -534,6 +554,7 @@ int32_t llama_specee::set_draft(ggml_type type, int32_t n_draft_vocab, const flo
     d.head      = ggml_new_tensor_2d(ctx, type, n_embd, n_draft_vocab);
     d.vocab_map = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1, n_draft_vocab);
     d.h_prev    = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_embd, 1);
+    d.h_rows    = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_embd, LLAMA_SPECEE_MAX_ROWS);
     d.eps       = eps;
 
     // on the first (highest-priority) device, where the layers run when they are offloaded
@@ -566,6 +587,7 @@ int32_t llama_specee::set_draft(ggml_type type, int32_t n_draft_vocab, const flo
     n_lookup = 0;
 
     draft = d;
+    rows_kept = 0;
     draft_ctx = std::move(ctx_ptr);
     draft_buf = std::move(buf);
     return 0;

@@ -35,6 +35,7 @@ extern "C" {
 #endif
 
 #define LLAMA_SPECEE_MAX_CAND 8
+#define LLAMA_SPECEE_MAX_ROWS 64 // output rows of a batch that llama_specee_draft_from_row can pick from
 
 enum llama_specee_kv_mode {
     LLAMA_SPECEE_KV_MASK = 0, // deeper layers mask the cell (the SpecEE paper's choice)
@@ -168,6 +169,14 @@ LLAMA_API int32_t llama_specee_exit_layer(const struct llama_context * ctx);
 // run the remaining layers of the last stopped token (after a head-free stop at the last layer: the
 // output head), probes still active; returns 0 on success, 1 if there is nothing to resume, < 0 on error
 LLAMA_API int32_t llama_specee_resume(struct llama_context * ctx);
+
+// after a batch of 2..LLAMA_SPECEE_MAX_ROWS output rows (e.g. every token's logits) run with probes
+// wanted: make output row `row`'s last-layer hidden state the next draft's h_prev, instead of the last
+// row's. Exact mode keeps the prefix of a verification batch that the full model accepts and drafts on
+// from its last token. The rows survive llama_specee_forget, so the cache can be truncated to that prefix
+// first; any other graph makes them stale. returns 0, -1 without a draft head, -2 when the last graph
+// kept no such row
+LLAMA_API int32_t llama_specee_draft_from_row(struct llama_context * ctx, int32_t row);
 
 // forget what the early-exit state carries from token to token: the draft's previous hidden state
 // (zero again) and a stopped token still waiting for its remaining layers (full mode). Call it when

@@ -82,6 +82,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "llama_specee_exit_layer": ([llama_context_p], ctypes.c_int32),
     "llama_specee_resume": ([llama_context_p], ctypes.c_int32),
     "llama_specee_forget": ([llama_context_p], None),
+    "llama_specee_draft_from_row": ([llama_context_p, ctypes.c_int32], ctypes.c_int32),
     "llama_specee_fail_allocations": ([llama_context_p, ctypes.c_int32], None),
     "llama_specee_set_capture_layers": (
         [llama_context_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32],

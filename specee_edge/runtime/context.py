@@ -440,6 +440,18 @@ class Context:
             raise SpecEEError(f"could not remove positions from {n_keep} on")
         self._forget()
 
+    def draft_from_row(self, row: int) -> None:
+        """After a batch decoded with output_all and the draft in its graph (probe layers set): the next draft
+        reads output `row`'s last-layer hidden state instead of the last row's. Call it after truncating the
+        cache to that row's token (truncation forgets the draft's input, not the batch's rows)."""
+        self._require_early_exit()
+        rc = C["llama_specee_draft_from_row"](self._ctx, row)
+        if rc == -1:
+            raise SpecEEError("draft_from_row() needs a draft head")
+        if rc != 0:
+            raise SpecEEError(f"the last batch kept no output row {row} for the draft (at most 64 rows, all output,"
+                              " decoded with the draft in the graph)")
+
     def _forget(self) -> None:
         """The early-exit state carries the last token's hidden state (the next draft's input) and, in full
         mode, a stopped token's pending layers: neither may outlive the tokens they belong to."""
