@@ -56,16 +56,18 @@ def supported_model_path(tiny_dir: Path, variant: str, **overrides) -> Path:
 
 
 def exiting_quality(pack_path: Path = SHIPPED_PACK) -> float:
-    """The highest quality level of a pack with a layer on (a default level may turn every layer off)."""
+    """The highest lossy quality level of a pack with a layer on (a default level may turn every layer off)."""
     return max(level.quality for level in read_pack(pack_path).levels
-               if level.on_layers)
+               if level.on_layers and not level.exact)
 
 
 def write_two_level_pack(path: Path) -> Path:
-    """The default model's shipped pack with two quality levels: LOOSE (threshold 0.3 everywhere, so tokens
-    exit) and STRICT, the default (the shipped default level's thresholds), and temperatures of 1.2."""
+    """The default model's shipped pack with two lossy quality levels and no exact one: LOOSE (threshold 0.3
+    everywhere, so tokens exit) and STRICT, the default (the shipped highest lossy level's thresholds), and
+    temperatures of 1.2."""
     pack = read_pack(SHIPPED_PACK)
-    strict = dataclasses.replace(pack.level(), quality=STRICT)
+    lossy_default = [level for level in pack.levels if not level.exact][-1]  # the pack's default is exact mode
+    strict = dataclasses.replace(lossy_default, quality=STRICT)
     last = pack.target.n_layer - 1  # its exit skips the output head: head-free or off
     loose = dataclasses.replace(pack.levels[0], quality=LOOSE, exits={
                                     il: LayerExit(ExitKind.HEAD_FREE if il == last else ExitKind.VERIFIED, 0.3)

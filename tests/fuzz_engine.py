@@ -7,7 +7,8 @@ skip only the last layer, where fill rebuilds the exact K/V and mask hides a cel
 multi-layer pack puts copies of that predictor on nine layers (MULTI_LAYERS), so tokens also stop
 halfway and the KV modes handle many skipped layers. The actions are what a
 user of `specee-edge chat` or of the Python API does: chat turns, /regen, /clear, streams closed early,
-Ctrl+C inside the consuming loop or inside the engine, early exit on/off, threshold changes, KV-mode
+Ctrl+C inside the consuming loop or inside the engine, early exit on/off, threshold and quality changes (exact
+mode: rounds of drafts verified in batches, cut anywhere by stops, limits and interrupts), KV-mode
 changes, and prompts that fill or overflow a small context. Batches are smaller than the context, so
 long prompts go in several (the review found a prompt's one-token last batch exiting early).
 
@@ -63,7 +64,7 @@ import numpy as np
 from specee_edge.engine import AUTO, GREEDY, Engine, EngineConfig, SamplingParams, TokenRecord
 from specee_edge.engine.exit import find_pack
 from specee_edge.errors import ContextFullError, SpecEEError
-from specee_edge.pack import read_pack, write_pack
+from specee_edge.pack import EXACT_QUALITY, read_pack, write_pack
 from specee_edge.exits import ExitKind
 from specee_edge.pack.format import LayerExit, Schedule
 from specee_edge.runtime import Context, Model
@@ -109,10 +110,14 @@ def write_multilayer_pack(model_path: Path, out: Path) -> Path:
     level = pack.levels[0]  # the loosest level: its most eager layer's predictor and threshold
     source, threshold = min(level.thresholds.items(), key=lambda item: (item[1], -item[0]))
     mlp = pack.predictors[source]
+    lossy = dataclasses.replace(level, exits={il: LayerExit(ExitKind.VERIFIED, threshold) for il in MULTI_LAYERS},
+                                offline=list(MULTI_OFFLINE), max_draft=0.0, draft_stop=0.0)
+    # exact mode drafting with the same exits, head-free, in rounds of up to 4 drafts
+    exact = dataclasses.replace(lossy, quality=EXACT_QUALITY, max_draft=4.0, speedup=2.0, speedup_sampled=2.0,
+                                exits={il: LayerExit(ExitKind.HEAD_FREE, threshold) for il in MULTI_LAYERS})
     multi = dataclasses.replace(
         pack, predictors={il: mlp for il in MULTI_LAYERS}, temperatures={},
-        levels=[dataclasses.replace(level, exits={il: LayerExit(ExitKind.VERIFIED, threshold) for il in MULTI_LAYERS},
-                                    offline=list(MULTI_OFFLINE))],
+        levels=[lossy, exact],
         default_quality=level.quality,
         schedule=Schedule(offline=list(MULTI_OFFLINE), window=pack.schedule.window, offsets=[-2, 0, 2]),
         provenance={"made_by": "tests/fuzz_engine.py", "predictor": f"layer {source} of the shipped pack"})
@@ -349,12 +354,12 @@ class Turn:
 
 @dataclass(frozen=True)
 class Action:
-    kind: str                     # chat regen raw fill overflow clear early_exit threshold engine system
+    kind: str                     # chat regen raw fill overflow clear early_exit threshold quality engine system
     arg: object = None
     turn: Turn | None = None
 
     def describe(self) -> str:
-        arg = "" if self.arg is None and self.kind not in ("threshold", "system") else f" {self.arg!r}"
+        arg = "" if self.arg is None and self.kind not in ("threshold", "quality", "system") else f" {self.arg!r}"
         return f"{self.kind}{arg}" + (f" [{self.turn.describe()}]" if self.turn else "")
 
 
@@ -503,7 +508,7 @@ class EngineFuzzer:
         # generations are most of the cost, and prompts that break the cached prefix (raw, fill, system,
         # engine) the most of that: those are rarer than turns that extend the conversation
         weights = {"chat": 10, "regen": 7, "raw": 1, "fill": 0.1, "overflow": 3, "clear": 5, "early_exit": 10,
-                   "threshold": 10, "engine": 2, "system": 0.5}
+                   "threshold": 10, "quality": 8, "engine": 2, "system": 0.5}
         if self.last_prompt_len > self.n_ctx - 40:
             weights["clear"] = 40  # the REPL says "/clear starts over"; most users do
         kind = rng.choices(list(weights), list(weights.values()))[0]
@@ -527,6 +532,8 @@ class EngineFuzzer:
             return Action(kind, rng.random() < 0.7)  # mostly on: exits are what changes the cache
         if kind == "threshold":
             return Action(kind, rng.choices(THRESHOLDS, THRESHOLD_WEIGHTS)[0])
+        if kind == "quality":  # the pack's default, exact mode, or its loosest lossy level
+            return Action(kind, rng.choice((None, EXACT_QUALITY, 0.5)))
         if kind == "engine":
             return Action(kind, rng.choice([key for key in self.slots if key != self.key]))
         if kind == "system":
@@ -563,6 +570,9 @@ class EngineFuzzer:
         elif kind == "threshold":  # /set threshold (None: back to the pack's)
             slot.engine.policy.set_threshold(action.arg)
             slot.threshold = action.arg
+        elif kind == "quality":  # /set quality (drops a threshold)
+            slot.engine.set_quality(action.arg)
+            slot.threshold = None
         elif kind == "engine":  # another KV mode: another engine, same conversation
             self.key = str(action.arg)
         elif kind == "system":  # /set system
@@ -737,6 +747,7 @@ class EngineFuzzer:
                 ev[f"exits_{self.slot.mode}_skipping_2+_layers"] += 1
         if not early_exit and any(r.probes or r.exit_layer is not None for r in records):
             raise FuzzFailure("probes or exits reported with early exit off")
+        ev["exact_rounds"] += sum(r.round_drafts > 0 for r in records)
         ev["generations"] += 1
 
     def check_vanilla(self, prompt: list[int], tokens: list[int]) -> None:

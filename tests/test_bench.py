@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -17,7 +18,7 @@ from specee_edge.data.prompts import Prompt, bench_prompts
 from specee_edge.cli import app
 from specee_edge.engine import DEFAULT_KV_MODE, GREEDY, Engine, EngineConfig, GenerationStats
 from specee_edge.errors import SpecEEError
-from specee_edge.pack import read_pack
+from specee_edge.pack import EXACT_QUALITY, read_pack, write_pack
 from tests.conftest import CHAT_PROMPT, LOOSE, SHIPPED_PACK, STRICT, write_two_level_pack
 
 BENCH_DOC = Path(__file__).resolve().parents[1] / "docs" / "bench.md"
@@ -38,7 +39,7 @@ def documented_keys() -> tuple[set[str], set[str]]:
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory) -> tuple[dict, Path, str]:
     out = tmp_path_factory.mktemp("bench")
-    args = ["bench", "-p", str(PROMPTS), "-n", str(TOKENS), "-t", "1", "--ppl-tokens", "32",
+    args = ["bench", "-p", str(PROMPTS), "-n", str(TOKENS), "-t", "1", "--ppl-tokens", "32", "--greedy-only", "--no-peer",
             "--json", str(out / "bench.json"), "--plot", str(out / "exits.png")]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -47,7 +48,12 @@ def bench_run(tmp_path_factory) -> tuple[dict, Path, str]:
 
 @pytest.fixture(scope="module")
 def two_level_pack(tmp_path_factory) -> Path:
-    return write_two_level_pack(tmp_path_factory.mktemp("pack") / "two.specee.gguf")
+    """The two lossy levels and an exact level that drafts with the loose one's exits."""
+    path = write_two_level_pack(tmp_path_factory.mktemp("pack") / "two.specee.gguf")
+    pack = read_pack(path)
+    loose = pack.level(LOOSE)
+    exact = dataclasses.replace(loose, quality=EXACT_QUALITY, max_draft=4.0, speedup=2.0, speedup_sampled=2.0)
+    return write_pack(path, dataclasses.replace(pack, levels=[*pack.levels, exact]))
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +74,7 @@ def test_json_has_every_documented_key(bench_run):
     assert set(data) == top
     assert set(data["modes"]) == {DEFAULT_KV_MODE}
     assert set(data["modes"][DEFAULT_KV_MODE]) == per_mode
-    assert set(data["ms_per_token"]) == {"draft", "layers", "predictor", "verify", "other", "sample"}
+    assert set(data["ms_per_token"]) == {"draft", "layers", "predictor", "verify", "batch", "other", "sample"}
     default = read_pack(SHIPPED_PACK).default_quality
     assert data["quality"] == data["default_quality"] == default
 
@@ -122,7 +128,8 @@ def test_terminal_report_and_plot(bench_run):
 def test_quality_sweep_has_a_lane_per_level(sweep_run):
     data, _, _ = sweep_run
     _, per_mode = documented_keys()
-    lanes = {f"{DEFAULT_KV_MODE}@{LOOSE:g}": LOOSE, f"{DEFAULT_KV_MODE}@{STRICT:g}": STRICT}
+    lanes = {f"{DEFAULT_KV_MODE}@{LOOSE:g}": LOOSE, f"{DEFAULT_KV_MODE}@{STRICT:g}": STRICT,
+             f"{DEFAULT_KV_MODE}@exact": EXACT_QUALITY}
     assert set(data["modes"]) == set(lanes)
     for name, quality in lanes.items():
         mode = data["modes"][name]
@@ -138,6 +145,16 @@ def test_quality_sweep_has_a_lane_per_level(sweep_run):
     # its head-free exits chose among their candidates: the full model's mass there is measured, not assumed
     if loose["head_free_rate"] > 0:
         assert 0 < loose["candidate_mass"] < 1
+    # the same exits as drafts: verified in batches, every divergence from vanilla a near-tie
+    exact = data["modes"][f"{DEFAULT_KV_MODE}@exact"]
+    assert exact["exact"] and not loose["exact"]
+    assert 0 < exact["acceptance_rate"] <= 1 and exact["tokens_per_round"] >= 1 and exact["verify_cost"] > 0
+    assert exact["ms_per_token"]["batch"] > 0 and loose["ms_per_token"]["batch"] == 0
+    assert exact["near_ties"] == exact["divergences"] and exact["agreement"] >= loose["agreement"]
+    # the sampled pass and the peer lane ran on the same prompts
+    assert data["vanilla_sampled_tok_s"] > 0 and exact["sampled"]["speedup"] > 0
+    assert 0 <= exact["sampled"]["identical"] <= 1 and exact["sampled"]["tokens_per_round"] >= 1
+    assert data["peer"]["speedup"] > 0 and data["peer_sampled"]["speedup"] > 0
 
 
 def test_quality_sweep_table_and_plot(sweep_run):
@@ -145,19 +162,24 @@ def test_quality_sweep_table_and_plot(sweep_run):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = output[output.index("speed and quality"):]
     rows = [line.split()[0] for line in table.splitlines()[:14] if line.strip()]
-    lanes = [f"{DEFAULT_KV_MODE}@{LOOSE:g}", f"{DEFAULT_KV_MODE}@{STRICT:g}*"]
-    assert rows[rows.index("vanilla"):rows.index("oracle") + 2] == ["vanilla", *lanes, "oracle", "oracle"]
+    lanes = [f"{DEFAULT_KV_MODE}@{LOOSE:g}", f"{DEFAULT_KV_MODE}@{STRICT:g}*", f"{DEFAULT_KV_MODE}@exact"]
+    assert rows[rows.index("vanilla"):rows.index("oracle") + 2] == ["vanilla", *lanes, "peer", "oracle", "oracle"]
+    for figure in ("speedup", "sampled", "acceptance_rate", "tokens_per_round", "verify_cost", "near-ties"):
+        assert figure in output
 
 
 def test_bench_qualities(two_level_pack):
     pack = read_pack(two_level_pack)
     assert bench_qualities(None, pack) == [None]  # the engine takes the pack's default
-    assert bench_qualities("all", pack) == [LOOSE, STRICT]
+    assert bench_qualities("all", pack) == [LOOSE, STRICT, EXACT_QUALITY]
+    assert bench_qualities("exact,0.95", pack) == [STRICT, EXACT_QUALITY]
     assert bench_qualities("0.95,0.99", pack) == [STRICT]  # each the lowest level at or above it
     assert bench_qualities(f"{STRICT}, {LOOSE}", pack) == [LOOSE, STRICT]
-    for bad in ("high", "0.9,", "1.5", "0", "0.999"):
+    for bad in ("high", "0.9,", "1.5", "0"):
         with pytest.raises(SpecEEError):
             bench_qualities(bad, pack)
+    with pytest.raises(SpecEEError, match="no quality level at or above 0.999"):
+        bench_qualities("0.999", read_pack(write_two_level_pack(two_level_pack.with_name("lossy.gguf"))))
 
 
 def test_vanilla_lane_is_stock_greedy(default_model):
@@ -189,7 +211,7 @@ def test_bad_kv_mode_is_one_line_error():
     assert "unknown KV mode" in result.output
 
 
-@pytest.mark.parametrize("quality, message", [("0.999", "no quality level at or above 0.999"), ("best", "such as 0.95")])
+@pytest.mark.parametrize("quality, message", [("1.5", "in (0, 1]: got 1.5"), ("best", "such as 0.95")])
 def test_bad_quality_is_one_line_error(quality, message):
     result = CliRunner().invoke(app, ["bench", "--quality", quality])
     assert result.exit_code == 1

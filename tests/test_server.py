@@ -231,7 +231,8 @@ def test_eight_concurrent_streams_each_get_their_own_reply(client: OpenAI, serve
     (json.dumps({"messages": "hello"}).encode(), 400, "messages"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}).encode(), 400, "max_tokens"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}).encode(), 404, "gpt-4o"),
-    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "quality": 0.999}).encode(), 400, "quality level"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "quality": 1.5}).encode(), 400, "quality"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "quality": "best"}).encode(), 400, "quality"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 2}).encode(), 400, "n must be 1"),
     (json.dumps({"messages": [{"role": "user", "content": "word " * 1500}]}).encode(), 400, f"context of {N_CTX}"),
 ])

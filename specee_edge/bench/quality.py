@@ -52,6 +52,30 @@ def agreement(ctx: Context, prompts: Sequence[Sequence[int]], records: Sequence[
     return Agreement(matches / steps if steps else 1.0, float(np.mean(masses)) if masses else None, len(masses))
 
 
+# Batched graphs use other matrix kernels than single-token ones, so exact mode's verification can flip an
+# argmax where the full model's top two logits nearly tie; a divergence from vanilla greedy with a wider
+# gap than this would be a wrong answer, not arithmetic.
+NEAR_TIE = 0.25
+
+
+def divergence_margins(ctx: Context, prompts: Sequence[Sequence[int]], references: Sequence[Sequence[int]],
+                       outputs: Sequence[Sequence[int]]) -> list[float]:
+    """For each answer that departs from its reference (vanilla greedy), the full model's top-1 minus top-2 logit
+    at the first position where they differ, decoding the shared prefix one token at a time as vanilla did."""
+    margins = []
+    for prompt, reference, output in zip(prompts, references, outputs):
+        d = common_prefix(reference, output)
+        if d == min(len(reference), len(output)):
+            continue  # equal, or one ends where the other goes on (an EOS near-tie is counted by identical)
+        ctx.clear()
+        ctx.decode(list(prompt))
+        for token in reference[:d]:
+            ctx.decode([token])
+        top2 = np.sort(ctx.logits().astype(np.float64))[-2:]
+        margins.append(float(top2[1] - top2[0]))
+    return margins
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):

@@ -14,8 +14,18 @@ from rich.table import Table
 
 from specee_edge.runtime.costs import TokenCosts
 
-TIME_PARTS = ("draft", "layers", "predictor", "verify", "other", "sample")
+TIME_PARTS = ("draft", "layers", "predictor", "verify", "batch", "other", "sample")  # batch: exact mode's verification
 HISTOGRAM_WIDTH = 48  # text cells shared by the histogram's bars (80-column terminals)
+
+
+@dataclass
+class SampledResult:
+    """A lane with chat's default sampling (seeded per prompt, the same seeds in every lane)."""
+
+    speedup: float                    # speedup_sampled: against vanilla sampling the same prompts and seeds
+    identical: float                  # answers identical to vanilla's sampled ones (exact mode: up to near-ties)
+    acceptance_rate: float = 0.0      # exact mode: drafts accepted under sampling
+    tokens_per_round: float = 0.0
 
 
 @dataclass
@@ -47,6 +57,14 @@ class ModeResult:
     recall_by_category: dict[str, dict[str, float]]
     ms_per_token: dict[str, float]    # TIME_PARTS; sample is outside the decode time
     exit_histogram: list[int]         # index = exit layer; the last = ran every layer; sums to steps
+    exact: bool = False               # exact mode: exits draft, the full model verifies
+    acceptance_rate: float = 0.0      # exact mode, greedy: drafted tokens the full model accepted
+    tokens_per_round: float = 0.0     # ... tokens emitted per verification batch
+    verify_cost: float | None = None  # ... one verification batch against one vanilla step (measured)
+    divergences: int = 0              # answers that depart from vanilla greedy
+    near_ties: int = 0                # ... where vanilla's top-2 logits differed by less than quality.NEAR_TIE
+    largest_divergence_margin: float | None = None
+    sampled: SampledResult | None = None
 
 
 @dataclass
@@ -73,6 +91,9 @@ class BenchResult:
     modes: list[ModeResult]
     seconds: float
     command: str
+    vanilla_sampled_tok_s: float | None = None
+    peer: SampledResult | None = None          # llama-cpp-python's prompt-lookup speculative decoding, greedy
+    peer_sampled: SampledResult | None = None  # ... sampled
 
     @property
     def main(self) -> ModeResult:
@@ -82,7 +103,7 @@ class BenchResult:
     def lane(self, mode: ModeResult) -> str:
         """A lane's name: its KV mode, and its quality level when the run has several."""
         several = len({m.quality for m in self.modes}) > 1
-        return f"{mode.kv_mode}@{mode.quality:g}" if several else mode.kv_mode
+        return self.level_label(mode) if several else mode.kv_mode
 
     @property
     def oracle_exit_rate(self) -> float:
@@ -118,10 +139,12 @@ class BenchResult:
         table.add_column()
         c = self.costs
         rows = [
-            ("run", f"{self.prompts} prompts ({self.prompt_set}) x {self.tokens} tokens, greedy, "
+            ("run", f"{self.prompts} prompts ({self.prompt_set}) x {self.tokens} tokens, greedy"
+                    f"{' and sampled (temperature 0.8, seeded)' if self.vanilla_sampled_tok_s else ''}, "
                     f"{self.threads} thread{'s' if self.threads != 1 else ''}, {self.seconds:.0f} s"),
             ("pack", f"{self.pack} (k = {self.k})"),
-            ("vanilla", f"{self.vanilla_tok_s:.1f} tok/s ({1e3 / self.vanilla_tok_s if self.vanilla_tok_s else 0:.2f} ms per step)"),
+            ("vanilla", f"{self.vanilla_tok_s:.1f} tok/s ({1e3 / self.vanilla_tok_s if self.vanilla_tok_s else 0:.2f} ms per step)"
+                        + (f", sampled {self.vanilla_sampled_tok_s:.1f} tok/s" if self.vanilla_sampled_tok_s else "")),
             ("oracle_speedup", f"verified {self.oracle_speedup:.3f}x, head-free {self.oracle_head_free_speedup:.3f}x"),
             ("costs (ms)", f"layer {c.layer_ms:.3f}, head {c.head_ms:.2f}, draft {c.draft_ms:.3f}, "
                            f"check {c.check_ms:.3f}, fixed {c.fixed_ms:.2f}"),
@@ -135,25 +158,34 @@ class BenchResult:
         """Speed against quality: a row per lane (KV mode at a quality level; * the pack's default), vanilla
         and the oracles. Headers break between words, so that the table fits 80 columns."""
         table = Table(title="speed and quality", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
-                      caption="* the pack's default level; ppl with the pack's temperatures, ppl raw without; "
-                              "identical: whole answers equal to vanilla's" if self.default_quality is not None else None)
+                      caption="* the pack's default level; ppl with the pack's temperatures (without them: the JSON's "
+                              "ppl_specee_raw); identical: whole answers equal to vanilla's" if self.default_quality is not None else None)
         table.add_column("lane", style="bold", no_wrap=True, vertical="bottom")
-        for name in ("speedup", "agree-\nment", "iden-\ntical", "exact\nprefix", "ppl", "ppl\nraw", "avg\nexit\nlayer",
-                     "exit\nrate", "head-\nfree\nrate"):
+        for name in ("speed-\nup\nsam-\npled", "speed-\nup\ngree-\ndy", "agree-\nment", "iden-\ntical", "exact\nprefix",
+                     "ppl", "avg\nexit\nlayer", "exit\nrate", "head-\nfree\nrate"):
             table.add_column(name, justify="right", vertical="bottom")
-        table.add_row("vanilla", "1.000x", "1.000", "1.00", "-", f"{self.ppl_full:.2f}", f"{self.ppl_full:.2f}",
-                      f"{self.n_layer - 1:.2f}", "0.000", "0.000")
+        table.add_row("vanilla", "1.000x" if self.vanilla_sampled_tok_s else "-", "1.000x", "1.000", "1.00", "-",
+                      f"{self.ppl_full:.2f}", f"{self.n_layer - 1:.2f}", "0.000", "0.000")
         for m in self.modes:
-            label = m.kv_mode if m.quality is None else f"{m.kv_mode}@{m.quality:g}"
             default = "*" if m.quality is not None and m.quality == self.default_quality else " "
-            table.add_row(label + default, f"{m.speedup:.3f}x", f"{m.agreement:.3f}", f"{m.identical:.2f}",
-                          f"{m.exact_prefix:.1f}", f"{m.ppl_specee:.2f}", f"{m.ppl_specee_raw:.2f}",
+            table.add_row(self.level_label(m) + default, f"{m.sampled.speedup:.3f}x" if m.sampled else "-",
+                          f"{m.speedup:.3f}x", f"{m.agreement:.3f}", f"{m.identical:.2f}",
+                          f"{m.exact_prefix:.1f}", f"{m.ppl_specee:.2f}",
                           f"{m.avg_exit_layer:.2f}", f"{m.exit_rate:.3f}", f"{m.head_free_rate:.3f}")
-        table.add_row("oracle", f"{self.oracle_speedup:.3f}x", "1.000", "1.00", "-", "-", "-",
+        if self.peer:
+            table.add_row("peer", f"{self.peer_sampled.speedup:.3f}x" if self.peer_sampled else "-",
+                          f"{self.peer.speedup:.3f}x", "-", f"{self.peer.identical:.2f}", *["-"] * 5)
+        table.add_row("oracle", "-", f"{self.oracle_speedup:.3f}x", "1.000", "1.00", "-", "-",
                       f"{self.oracle_avg_exit_layer:.2f}", f"{self.oracle_exit_rate:.3f}", "0.000")
-        table.add_row("oracle hf", f"{self.oracle_head_free_speedup:.3f}x", "1.000", "1.00", "-", "-", "-",
+        table.add_row("oracle hf", "-", f"{self.oracle_head_free_speedup:.3f}x", "1.000", "1.00", "-", "-",
                       f"{self.oracle_head_free_avg_exit_layer:.2f}", "-", "-")
         return table
+
+    @staticmethod
+    def level_label(m: ModeResult) -> str:
+        if m.quality is None:
+            return m.kv_mode
+        return f"{m.kv_mode}@exact" if m.exact else f"{m.kv_mode}@{m.quality:g}"
 
     def _machinery(self) -> Table:
         table = Table(title="SpecEE")
@@ -166,13 +198,23 @@ class BenchResult:
             ("predictor_calls_per_token", lambda m: f"{m.predictor_calls_per_token:.2f}"),
             ("verify_fail_rate", lambda m: f"{m.verify_fail_rate:.3f}"),
             ("candidate_mass (head-free steps)", lambda m: "-" if m.candidate_mass is None else f"{m.candidate_mass:.3f}"),
-            (f"draft_recall@{self.k}", lambda m: f"{m.draft_recall_at_k:.3f}"),
-            ("  from the draft head", lambda m: f"{m.recall_draft_head:.3f}"),
-            ("  from prompt lookup", lambda m: f"{m.recall_lookup:.3f}"),
+            (f"draft_recall@{self.k}", lambda m: "-" if m.exact else f"{m.draft_recall_at_k:.3f}"),
+            ("  from the draft head", lambda m: "-" if m.exact else f"{m.recall_draft_head:.3f}"),
+            ("  from prompt lookup", lambda m: "-" if m.exact else f"{m.recall_lookup:.3f}"),
         ]
+        if any(m.exact for m in self.modes):
+            rows += [
+                ("acceptance_rate (greedy / sampled)", lambda m: exact_cell(m, m.acceptance_rate,
+                                                                            m.sampled.acceptance_rate if m.sampled else None)),
+                ("tokens_per_round (greedy / sampled)", lambda m: exact_cell(m, m.tokens_per_round,
+                                                                             m.sampled.tokens_per_round if m.sampled else None)),
+                ("verify_cost (batch / vanilla step)", lambda m: "-" if m.verify_cost is None else f"{m.verify_cost:.2f}"),
+                ("divergences from vanilla (near-ties)", lambda m: f"{m.divergences} ({m.near_ties})"),
+                ("identical answers, sampled", lambda m: f"{m.sampled.identical:.2f}" if m.sampled else "-"),
+            ]
         categories = sorted({c for m in self.modes for c in m.recall_by_category})
-        rows += [(f"draft_recall@{self.k} {c} (head + lookup)", lambda m, c=c: recall_cell(m.recall_by_category.get(c)))
-                 for c in categories]
+        rows += [(f"draft_recall@{self.k} {c} (head + lookup)",
+                  lambda m, c=c: "-" if m.exact else recall_cell(m.recall_by_category.get(c))) for c in categories]
         rows += [(f"identical answers, {c}", lambda m, c=c: f"{m.identical_by_category.get(c, 0.0):.2f}")
                  for c in sorted({c for m in self.modes for c in m.identical_by_category})]
         for label, cell in rows:
@@ -200,6 +242,16 @@ class BenchResult:
             if any(counts[il] for counts in columns.values()):
                 table.add_row(str(il), *(bar(counts[il], max(counts), width) for counts in columns.values()))
         return table
+
+
+def exact_cell(m: ModeResult, greedy: float, sampled: float | None) -> str:
+    """Greedy / sampled; `plain` where the lane ran no verification round (its level does not draft there)."""
+    if not m.exact:
+        return "-"
+    cells = [f"{greedy:.2f}" if m.tokens_per_round else "plain"]
+    if m.sampled is not None:
+        cells.append(f"{sampled:.2f}" if m.sampled.tokens_per_round else "plain")
+    return " / ".join(cells)
 
 
 def recall_cell(recall: dict[str, float] | None) -> str:

@@ -13,14 +13,16 @@ from llama_cpp import Llama
 from threadpoolctl import threadpool_limits
 
 from specee_edge.bench.oracle import Oracle, oracle_depths
-from specee_edge.bench.quality import Agreement, Perplexity, agreement, exact_prefix, perplexity
-from specee_edge.bench.report import TIME_PARTS, BenchResult, ModeResult
-from specee_edge.bench.runner import SpecEELane, VanillaLane, run_interleaved
+from specee_edge.bench.quality import (NEAR_TIE, Agreement, Perplexity, agreement, divergence_margins, exact_prefix,
+                                      perplexity)
+from specee_edge.bench.report import TIME_PARTS, BenchResult, ModeResult, SampledResult
+from specee_edge.bench.runner import PeerLane, SpecEELane, VanillaLane, run_interleaved
 from specee_edge.data.prompts import Prompt, bench_prompts, heldout_text
 from specee_edge.engine import AUTO, DEFAULT_KV_MODE, Engine, EngineConfig, GenerationStats
+from specee_edge.engine.sampling import SamplingParams
 from specee_edge.engine.exit import find_pack
 from specee_edge.errors import SpecEEError
-from specee_edge.pack import Pack, read_pack
+from specee_edge.pack import Pack, parse_quality, read_pack
 from specee_edge.runtime import Context
 from specee_edge.runtime.costs import DraftSetup, TokenCosts, cost_lanes
 from specee_edge.runtime.weights import TargetWeights
@@ -53,6 +55,9 @@ class BenchConfig:
     threshold: float | None = None   # None: the level's per-layer thresholds; above 1: exits impossible
     python_policy: bool = False      # also a lane per KV mode with the Python exit policy (its cost, same decisions)
     ppl_tokens: int = 0              # held-out tokens for perplexity; 0: all of them
+    sampled: bool = True             # a second pass with chat's default sampling (seeded per prompt)
+    peer: bool = True                # llama-cpp-python's prompt-lookup speculative decoding as a lane
+    seed: int = 0                    # the sampled pass's seed (prompt i draws from seed + i in every lane)
     command: str = ""
 
 
@@ -83,12 +88,7 @@ def bench_qualities(spec: str | None, pack: Pack) -> list[float | None]:
         return [None]
     if spec.strip().lower() == "all":
         return [level.quality for level in pack.levels] or [None]
-    try:
-        asked = [float(q) for q in spec.split(",")]
-    except ValueError:
-        raise SpecEEError(f"--quality takes all or agreements such as 0.95,0.99, got {spec!r}") from None
-    if bad := [q for q in asked if not 0.0 < q <= 1.0]:
-        raise SpecEEError(f"--quality is an agreement with the full model, in (0, 1]: got {bad[0]:g}")
+    asked = [parse_quality(q) for q in spec.split(",")]
     return sorted({pack.level(q).quality for q in asked})
 
 
@@ -147,12 +147,30 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
                 n_threads_batch=config.threads, verbose=False)
     vanilla = VanillaLane(llm, config.tokens, model.is_eog)
     lanes = [SpecEELane(mode, engine, config.tokens) for mode, engine in engines]
+    peer = peer_lane(config, model.is_eog) if config.peer else None
     cost = cost_lanes(model, draft_setup(first), n_ctx=seq_ctx, n_threads=config.threads, k=k)
-    run_interleaved(prompts, vanilla, lanes, cost, reporter.task("decoding", len(prompts) * (config.tokens - 1)))
+    run_interleaved(prompts, vanilla, [*lanes, *([peer] if peer else [])], cost,
+                    reporter.task("decoding, greedy", len(prompts) * (config.tokens - 1)))
     costs = TokenCosts.fit(cost)
     for lane in cost:
         lane.ctx.close()
+
+    # 1b. the same without the cost lanes, with chat's default sampling: every lane draws from one seed per prompt
+    sampled: dict[int, SampledResult] = {}
+    peer_sampled = None
+    vanilla_sampled = None
+    if config.sampled:
+        sampling = SamplingParams(seed=config.seed)
+        vanilla_sampled = VanillaLane(llm, config.tokens, model.is_eog, sampling)
+        sampled_lanes = [SpecEELane(mode, engine, config.tokens, sampling) for mode, engine in engines]
+        peer_sampled = peer_lane(config, model.is_eog, sampling) if config.peer else None
+        run_interleaved(prompts, vanilla_sampled, [*sampled_lanes, *([peer_sampled] if peer_sampled else [])], [],
+                        reporter.task("decoding, sampled", len(prompts) * (config.tokens - 1)))
+        sampled = {i: sampled_result(lane, vanilla_sampled) for i, lane in enumerate(sampled_lanes)}
     llm.close()
+    for lane in (peer, peer_sampled):
+        if lane is not None:
+            lane.close()
 
     # 2. the oracles along vanilla's outputs
     weights = TargetWeights(config.model)
@@ -168,8 +186,11 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     modes = [
         mode_result(lane, vanilla, oracle, costs, categories,
                     agreement=agreement(reference, prompts, lane.records, advance),
-                    ppl=perplexity(lane.engine, heldout, early_exit=True, advance=advance))
-        for lane in lanes
+                    # exact mode's distribution is the full model's: its perplexity is plain decoding's
+                    ppl=perplexity(lane.engine, heldout, early_exit=not lane.engine.exact, advance=advance),
+                    margins=divergence_margins(reference, prompts, vanilla.outputs, lane.outputs),
+                    sampled=sampled.get(i))
+        for i, lane in enumerate(lanes)
     ]
     reference.close()
     for _, engine in engines:
@@ -182,12 +203,37 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
         oracle_head_free_speedup=oracle.head_free_speedup, oracle_head_free_avg_exit_layer=oracle.head_free_avg_exit_layer,
         oracle_histogram=oracle.histogram, costs=costs, ppl_full=ppl_full, ppl_tokens=len(heldout),
         default_quality=default_level.quality if default_level else None, modes=modes,
+        vanilla_sampled_tok_s=vanilla_sampled.timing.tok_s if vanilla_sampled else None,
+        peer=lane_speed(peer, vanilla) if peer else None,
+        peer_sampled=lane_speed(peer_sampled, vanilla_sampled) if peer_sampled and vanilla_sampled else None,
         seconds=time.perf_counter() - start, command=config.command,
     )
 
 
+def peer_lane(config: BenchConfig, is_eog, sampling: SamplingParams | None = None) -> PeerLane:
+    kwargs = {"sampling": sampling} if sampling else {}
+    return PeerLane(str(config.model), ENGINE_CTX, config.threads, config.tokens, is_eog, **kwargs)
+
+
+def lane_speed(lane: PeerLane | SpecEELane, vanilla: VanillaLane) -> SampledResult:
+    """A lane's speed-up over vanilla and its whole answers identical to vanilla's (same prompts and seeds)."""
+    identical = [output == reference for output, reference in zip(lane.outputs, vanilla.outputs)]
+    speedup = lane.timing.tok_s / vanilla.timing.tok_s if vanilla.timing.tok_s else 0.0
+    return SampledResult(speedup=speedup, identical=float(np.mean(identical)) if identical else 0.0)
+
+
+def sampled_result(lane: SpecEELane, vanilla: VanillaLane) -> SampledResult:
+    stats = GenerationStats(lane.engine.n_layer, early_exit=True)
+    for record in lane.decode_records():
+        stats.add(record)
+    result = lane_speed(lane, vanilla)
+    result.acceptance_rate = stats.acceptance_rate
+    result.tokens_per_round = stats.tokens_per_round
+    return result
+
+
 def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, costs: TokenCosts, categories: Sequence[str], *,
-                agreement: Agreement, ppl: Perplexity) -> ModeResult:
+                agreement: Agreement, ppl: Perplexity, margins: list[float], sampled: SampledResult | None) -> ModeResult:
     """categories: each prompt's, in the order the lane answered them."""
     stats = GenerationStats(oracle.n_layer, early_exit=True)
     for record in lane.decode_records():
@@ -218,7 +264,18 @@ def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, costs: T
                             for c, s in sorted(by_category.items())},
         ms_per_token=time_split(stats, lane.timing.ms, costs.draft_ms),
         exit_histogram=exit_histogram(stats.exit_layers, oracle.n_layer),
+        exact=lane.engine.exact, acceptance_rate=stats.acceptance_rate, tokens_per_round=stats.tokens_per_round,
+        verify_cost=verify_cost(stats, vanilla),
+        divergences=len(margins), near_ties=sum(margin < NEAR_TIE for margin in margins),
+        largest_divergence_margin=max(margins, default=None), sampled=sampled,
     )
+
+
+def verify_cost(stats: GenerationStats, vanilla: VanillaLane) -> float | None:
+    """One verification batch against one vanilla step, both measured in this run (None without rounds)."""
+    if not stats.rounds or not vanilla.timing.steps:
+        return None
+    return (stats.time_ms["batch"] / stats.rounds) / vanilla.timing.ms
 
 
 def exit_histogram(exit_layers: Sequence[int | None], n_layer: int) -> list[int]:
@@ -240,6 +297,7 @@ def time_split(stats: GenerationStats, step_ms: float, draft_ms: float) -> dict[
         "layers": ms["forward"] - draft - ms["predictor"] - ms["verify"],
         "predictor": ms["predictor"],
         "verify": ms["verify"],
-        "other": step_ms - ms["forward"],
+        "batch": ms["batch"],
+        "other": step_ms - ms["forward"] - ms["batch"],
         "sample": ms["sample"],
     }

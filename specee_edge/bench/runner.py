@@ -1,5 +1,5 @@
-"""Interleaved decoding: vanilla llama.cpp, SpecEE per KV mode and quality level, and the cost lanes
-take turns.
+"""Interleaved decoding: vanilla llama.cpp, SpecEE per KV mode and quality level, the peer (llama-cpp-python's
+own speculative decoding with prompt lookup) and the cost lanes take turns.
 
 Every lane decodes the same prompts, and within a prompt the lanes take turns token by token, so a
 change in machine speed (another process, thermal throttling) hits all of them alike. Only decode
@@ -10,6 +10,7 @@ pay alike for what a user's loop does with each token: detokenizing it and match
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,36 +19,47 @@ from typing import Protocol
 import llama_cpp
 import numpy as np
 from llama_cpp import Llama
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 from specee_edge.engine import GREEDY, Engine, TokenRecord
+from specee_edge.engine.sampling import SamplingParams, sample
 from specee_edge.engine.stops import StopMatcher
 from specee_edge.runtime.costs import Timing
 
 
-class VanillaLane:
-    """The stock llama-cpp-python path: Llama.eval one token at a time, greedy; times eval, the token's text
-    and the stop-string matching."""
+def prompt_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """The sampling of the index-th prompt: every lane draws from the same seed there, so that lanes whose
+    distributions are the full model's (vanilla, exact mode) draw the same tokens up to numerical near-ties."""
+    return sampling if sampling.greedy else dataclasses.replace(sampling, seed=(sampling.seed or 0) + index)
 
-    def __init__(self, llm: Llama, max_tokens: int, is_eog: Callable[[int], bool]):
+
+class VanillaLane:
+    """The stock llama-cpp-python path: Llama.eval one token at a time; times eval, the token's text and the
+    stop-string matching. Greedy, or sampled by the engine's sampler (seeded per prompt, untimed)."""
+
+    def __init__(self, llm: Llama, max_tokens: int, is_eog: Callable[[int], bool], sampling: SamplingParams = GREEDY):
         self.llm = llm
         self.max_tokens = max_tokens
         self.is_eog = is_eog
+        self.sampling = sampling
         self.timing = Timing()
         self.outputs: list[list[int]] = []  # generated tokens, one list per prompt
         self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stops = StopMatcher(())
+        self._rng = np.random.default_rng(0)
 
     def start(self, prompt: Sequence[int]) -> None:
         self.llm.reset()
         self.llm.eval(prompt)
-        self.outputs.append([self._argmax()])
+        self._rng = np.random.default_rng(prompt_sampling(self.sampling, len(self.outputs)).seed)
+        self.outputs.append([self._next_token()])
         self._text.reset()
         self._stops = StopMatcher(())
 
-    def _argmax(self) -> int:
+    def _next_token(self) -> int:
         # Llama.eval keeps no scores without logits_all: read the last token's logits from llama.cpp
-        logits = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
-        return int(np.argmax(np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),))))
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),))
+        return sample(logits, self.sampling, self._rng)
 
     def next_input(self) -> int | None:
         """The token the next step feeds, or None when this prompt's answer is complete."""
@@ -61,23 +73,70 @@ class VanillaLane:
         self._stops.feed(self._text.decode(self.llm.detokenize([token])))
         self.llm.eval([token])
         self.timing.add(time.perf_counter() - start)
-        self.outputs[-1].append(self._argmax())
+        self.outputs[-1].append(self._next_token())
+
+
+class PeerLane:
+    """What a user would pick instead: llama-cpp-python's own lossless speculative decoding with prompt lookup
+    (Llama(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=2)), its README's setting for CPU-only
+    machines), through Llama.generate with llama.cpp's sampler chain; a step is one next() of it."""
+
+    def __init__(self, model_path: str, n_ctx: int, n_threads: int, max_tokens: int, is_eog: Callable[[int], bool],
+                 sampling: SamplingParams = GREEDY):
+        self.llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
+                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=2), verbose=False)
+        self.max_tokens = max_tokens
+        self.is_eog = is_eog
+        self.sampling = sampling
+        self.timing = Timing()
+        self.outputs: list[list[int]] = []
+        self._tokens: Iterator[int] | None = None
+
+    def start(self, prompt: Sequence[int]) -> None:
+        s = prompt_sampling(self.sampling, len(self.outputs))
+        self.llm.reset()
+        self.llm.set_seed(s.seed or 0)
+        self._tokens = self.llm.generate(list(prompt), top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                                         temp=s.temperature if not s.greedy else 0.0, repeat_penalty=s.repeat_penalty)
+        self.outputs.append([next(self._tokens)])
+
+    def step(self) -> bool:
+        tokens = self.outputs[-1]
+        if self._tokens is None or len(tokens) >= self.max_tokens or self.is_eog(tokens[-1]):
+            self.end()
+            return False
+        start = time.perf_counter()
+        token = next(self._tokens)
+        self.timing.add(time.perf_counter() - start)
+        tokens.append(token)
+        return True
+
+    def end(self) -> None:
+        if self._tokens is not None:
+            self._tokens.close()
+            self._tokens = None
+
+    def close(self) -> None:
+        self.end()
+        self.llm.close()
 
 
 @dataclass
 class SpecEELane:
-    """One engine (one KV mode) streaming greedily; a step is one next() of its stream, less sampling."""
+    """One engine (one KV mode at one level) streaming; a step is one next() of its stream, less sampling."""
 
     kv_mode: str
     engine: Engine
     max_tokens: int
+    sampling: SamplingParams = field(default_factory=lambda: GREEDY)
     timing: Timing = field(default_factory=Timing)
     records: list[list[TokenRecord]] = field(default_factory=list)  # one list per prompt
     _stream: Iterator[TokenRecord] | None = field(default=None, init=False, repr=False)
 
     def start(self, prompt: Sequence[int]) -> None:
         self.engine.reset()  # every lane starts each prompt from an empty cache
-        self._stream = self.engine.stream(prompt, max_tokens=self.max_tokens, sampling=GREEDY)
+        self._stream = self.engine.stream(prompt, max_tokens=self.max_tokens,
+                                          sampling=prompt_sampling(self.sampling, len(self.records)))
         self.records.append([next(self._stream)])
 
     def step(self) -> bool:
@@ -119,7 +178,7 @@ class FedLane(Protocol):
     def step(self, token: int) -> None: ...
 
 
-def run_interleaved(prompts: Sequence[Sequence[int]], vanilla: VanillaLane, specee: Sequence[SpecEELane],
+def run_interleaved(prompts: Sequence[Sequence[int]], vanilla: VanillaLane, specee: Sequence[SpecEELane | PeerLane],
                     fed: Sequence[FedLane], advance: Callable[[int], None] = lambda n: None) -> None:
     """Decode every prompt with every lane, token by token in turns; `advance` counts steps."""
     steps = vanilla.max_tokens - 1

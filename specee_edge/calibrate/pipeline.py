@@ -1,5 +1,5 @@
 """`specee-edge calibrate`: answers -> lens -> draft head -> predictors -> costs -> quality levels ->
-the levels in the engine -> temperatures -> pack.
+the levels in the engine -> exact mode -> temperatures -> pack.
 
 The prompts are split three ways: the draft head and the predictors are trained on the first part,
 each level's exits are chosen (and checked through the engine) on the second, and the figures the pack
@@ -28,6 +28,7 @@ from threadpoolctl import threadpool_limits
 from specee_edge.calibrate import dataset as dataset_stage
 from specee_edge.calibrate.collect import Collector, Shard, round_sampling, shard_path
 from specee_edge.calibrate.draft_fit import DRAFT_RIDGE, fit_draft
+from specee_edge.calibrate.exact import ExactReport, choose_exact, with_exact
 from specee_edge.calibrate.levels import LEVELS, LevelSearch, check_with_engine, choose_levels
 from specee_edge.calibrate.predictor_fit import Probes, layer_features, probe_all, simulate, train_predictors
 from specee_edge.calibrate.replay import identical_answers, pick_answers, replay
@@ -51,7 +52,7 @@ CACHE = Path.home() / ".cache" / "specee-edge" / "calibrate"
 SPLIT = (0.6, 0.2, 0.2)  # prompts: train / threshold calibration / test
 COLLECTION = 2  # how answers are collected: a work dir from another version is not reused
 MAX_ROUNDS = 16  # answers per prompt at most (the first greedy, the others sampled)
-STEPS = 8  # the stages, for the progress bars
+STEPS = 9  # the stages, for the progress bars
 # the default level, unless --quality names one: the fastest whose held-out agreement reaches AGREEMENT_FLOOR
 # and, for models that chat, whose greedy answers to code prompts stay identical to the full model's in at
 # least IDENTICAL_FLOOR of them (one wrong token can break a program)
@@ -79,6 +80,8 @@ class CalibrateConfig:
     replay_tokens: int = 2000           # calibration-split steps the engine replays per candidate level
     heldout_tokens: int = 4000          # test-split steps behind each level's stored agreement
     identical_tokens: int = 64          # tokens of each held-out greedy answer compared with the full model's
+    exact_prompts: int = 4              # prompts per split that exact mode's candidates decode (calibration, held out)
+    exact_tokens: int = 48              # ... tokens each
     first_layer: int = 0      # no predictor below it; 0: n_layer // 4 (shallow layers hardly ever agree)
     command: str = ""
 
@@ -266,12 +269,24 @@ class Calibration:
                     advance()
                 kv_mode = engine.kv_mode
                 self.seconds["engine"] = time.perf_counter() - t0
+
+                advance = stage("exact mode (runs)", None)
+                t0 = time.perf_counter()
+                as_tokens = lambda part: [engine.tokenize(engine.format_prompt(prompts[i].text))  # noqa: E731
+                                          for i in sorted(part)[: config.exact_prompts]]
+                # drafts are checked, so a level's exits may pay as drafts where they did not as answers: the
+                # candidates are the levels as chosen, before the held-out check turned the slow ones off
+                exact, exact_report = choose_exact(engine, [choice.level for choice in choices], as_tokens(calib_p),
+                                                   as_tokens(test_p), config.exact_tokens, advance)
+                self.seconds["exact"] = time.perf_counter() - t0
             finally:
                 engine.close()
 
-            quality = config.quality if config.quality is not None else default_quality(
+            # the lossy default (what --quality picks among the lossy levels) sets the temperatures; the pack's
+            # default is exact mode unless --quality names a lossy level
+            lossy_quality = config.quality if config.quality is not None else default_quality(
                 levels, code_matters=engine.prompting == "chat" and bool(code.any()))
-            default = next(level for level in levels if level.quality == quality)
+            default = next(level for level in levels if level.quality == lossy_quality)
             advance = stage("temperatures (layers)", len(predictors))
             t0 = time.perf_counter()
             fit_rows = simulate(ds, probes, predictors, default.exits, calib, None).exit_rows()
@@ -279,9 +294,9 @@ class Calibration:
             temperatures = fit_temperatures(ds, weights, sorted(predictors), fit_rows, check_rows, config.seed, advance)
             self.seconds["temperatures"] = time.perf_counter() - t0
 
-        report = self._report(ds, shards, train, test, draft_report, probes, predictors, choices, levels, quality,
-                              temperatures, costs)
-        pack = self._pack(head, predictors, levels, temperatures.temperatures, quality, {
+        report = self._report(ds, shards, train, test, draft_report, probes, predictors, choices, levels, lossy_quality,
+                              temperatures, costs, exact_report)
+        pack = self._pack(head, predictors, levels, temperatures.temperatures, lossy_quality, {
             "tool": f"specee-edge {version('specee-edge')}",
             "command": config.command,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -296,6 +311,10 @@ class Calibration:
             | {"prompts": str(config.prompts or "built-in")},
             "report": report.to_dict(),
         })
+        if config.quality is None:
+            pack = with_exact(pack, exact)
+        else:
+            pack = dataclasses.replace(pack, levels=[*pack.levels, exact])
         return pack, report
 
     def _held_out(self, engine: Engine, level: QualityLevel, answers: list[Shard], greedy: list[Shard],
@@ -323,7 +342,7 @@ class Calibration:
                     temperatures=temperatures, lookup_max_n=self.config.lookup, provenance=provenance)
 
     def _report(self, ds, shards, train, test, draft_report, probes, predictors, choices, levels, quality,
-                temperatures, costs) -> CalibrationReport:
+                temperatures, costs, exact: ExactReport) -> CalibrationReport:
         default = next(level for level in levels if level.quality == quality)
         layers = []
         for il in sorted(predictors):
@@ -343,6 +362,7 @@ class Calibration:
             default_quality=quality, costs=costs.to_dict(),
             oracle_avg_exit_layer=oracle, oracle_layer_speedup=n_layer / (oracle + 1),
             nll_raw=temperatures.nll_raw, nll_temperature=temperatures.nll_fitted, seconds=dict(self.seconds),
+            exact=exact,
         )
 
 

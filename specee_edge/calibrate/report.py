@@ -8,6 +8,7 @@ from rich.console import Group
 from rich.table import Table
 
 from specee_edge.calibrate.draft_fit import DraftReport
+from specee_edge.calibrate.exact import ExactReport
 from specee_edge.calibrate.levels import LevelChoice
 from specee_edge.exits import ExitKind
 from specee_edge.pack.format import QualityLevel
@@ -77,6 +78,7 @@ class CalibrationReport:
     nll_raw: float          # held-out cross-entropy of exits against the full model's distribution
     nll_temperature: float  # the same with the fitted temperatures
     seconds: dict[str, float]
+    exact: ExactReport | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -128,7 +130,7 @@ class CalibrationReport:
             sources.add_column(column, justify="right")
         for name, r in d.by_category.items():
             sources.add_row(name, str(r.steps), f"{r.vocab_coverage:.3f}", f"{r.draft:.3f}", f"{r.lookup:.3f}", f"{r.merged:.3f}")
-        return Group(summary, sources, levels, layers_on, layers)
+        return Group(summary, sources, levels, layers_on, layers, *([self.exact.render()] if self.exact else []))
 
 
 def _span(layers: list[int]) -> str:

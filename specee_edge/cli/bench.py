@@ -47,11 +47,15 @@ def bench(
     kv_mode: Annotated[str | None, typer.Option("--kv-mode", help="mask, fill, full, or all (default: the engine's)")] = None,
     threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: up to 8)")] = None,
     quality: Annotated[str | None, typer.Option("--quality", show_default=False, help=(
-        "the pack's quality levels to run, each its own SpecEE lane: a level is the agreement with the full model "
-        "it guarantees; all, or a list such as 0.95,0.99 (default: the pack's default level)"))] = None,
+        "the pack's quality levels to run, each its own SpecEE lane: exact (the full model's own answers, drafts "
+        "verified in batches) or a lossy level's agreement with the full model; all, or a list such as exact,0.95 "
+        "(default: the pack's default level)"))] = None,
     threshold: Annotated[float | None, typer.Option("--threshold", help="one exit threshold for every layer (default: the level's)")] = None,
     ppl_tokens: Annotated[int, typer.Option("--ppl-tokens", help="held-out tokens for perplexity (0: all)")] = 0,
     python_policy: Annotated[bool, typer.Option("--python-policy", help="also run each KV mode with the Python exit policy (MODE/python)")] = False,
+    sampled: Annotated[bool, typer.Option("--sampled/--greedy-only", help="also decode with chat's default sampling (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05), seeded per prompt")] = True,
+    peer: Annotated[bool, typer.Option("--peer/--no-peer", help="a lane of llama-cpp-python's own speculative decoding with prompt lookup (num_pred_tokens=2)")] = True,
+    seed: Annotated[int, typer.Option("-s", "--seed", help="the sampled pass's seed: prompt i draws from seed + i in every lane")] = 0,
     json_path: Annotated[Path | None, typer.Option("--json", help="write the results as JSON here")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="write a PNG here: speedup against agreement and perplexity, the exit layers")] = None,
 ) -> None:
@@ -70,7 +74,7 @@ def bench(
         config = BenchConfig(
             model=resolve_model(model), pack=pack or AUTO, prompt_set=prompts, num_prompts=num_prompts,
             tokens=tokens, kv_modes=modes, threads=threads or default_threads(), quality=quality, threshold=threshold,
-            ppl_tokens=ppl_tokens, python_policy=python_policy, command=" ".join(["specee-edge", *sys.argv[1:]]),
+            ppl_tokens=ppl_tokens, python_policy=python_policy, sampled=sampled, peer=peer, seed=seed, command=" ".join(["specee-edge", *sys.argv[1:]]),
         )
         columns = (TextColumn("{task.description:>9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=err_console, transient=True, auto_refresh=False) as progress:

@@ -31,6 +31,8 @@ def calibrate(
     lookup: Annotated[int, typer.Option("--lookup", help="prompt lookup: the longest n-gram matched in the context (0: off)")] = 4,
     max_answer: Annotated[int, typer.Option("--max-answer", help="tokens per answer")] = 256,
     work_dir: Annotated[Path | None, typer.Option("--work-dir", help="keeps each stage's results, so a rerun resumes")] = None,
+    exact_only: Annotated[bool, typer.Option("--exact-only", help="keep an existing pack's draft head, predictors and lossy levels; choose only its exact level (the pack: --pack, else MODEL's) and make it the default")] = False,
+    pack: Annotated[Path | None, typer.Option("--pack", help="with --exact-only: the pack to start from [default: MODEL.specee.gguf beside the model, else the shipped one]")] = None,
 ) -> None:
     """Calibrate a pack for MODEL: its own answers, a draft head, per-layer predictors, and per quality level each
     layer's exit (off, verified or head-free) and threshold, priced by what each part costs on this machine."""
@@ -53,6 +55,9 @@ def calibrate(
             raise SpecEEError("need 1 <= --k <= 8, --tokens >= 1, --replay-tokens, --heldout-tokens and --identical-tokens"
                               " >= 1, --draft-vocab >= --k, 0 <= --lookup <= 8 and --draft-ridge >= 0")
         output = output or model_path.with_name(model_path.name.removesuffix(".gguf") + PACK_SUFFIX)
+        if exact_only:
+            _exact_only(model_path, pack, output, prompts=prompts, seed=seed, threads=threads or default_threads())
+            return
         config = CalibrateConfig(
             model=model_path, output=output, workdir=work_dir, tokens=tokens, prompts=prompts, k=k,
             threads=threads or default_threads(), seed=seed, max_answer=max_answer, draft_vocab=draft_vocab,
@@ -63,5 +68,24 @@ def calibrate(
         report = run_calibration(config, err_console)
     except SpecEEError as e:
         raise fail(e) from None
+    console.print(report.render())
+    console.print(f"wrote {output}")
+
+
+def _exact_only(model_path: Path, pack: Path | None, output: Path, *, prompts: Path | None, seed: int, threads: int) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specee_edge.calibrate.exact import add_exact_level, n_trials
+    from specee_edge.engine.exit import find_pack
+    from specee_edge.pack import read_pack
+
+    source = pack or find_pack(model_path)
+    if source is None:
+        raise SpecEEError(f"no pack for {model_path.name} to add exact mode to: calibrate it first, or pass --pack")
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err_console) as progress:
+        task = progress.add_task("exact mode (runs)", total=n_trials(read_pack(source)))
+        report = add_exact_level(model_path, source, output, prompts_path=prompts, seed=seed, threads=threads,
+                                 advance=lambda: progress.advance(task))
     console.print(report.render())
     console.print(f"wrote {output}")

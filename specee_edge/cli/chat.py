@@ -14,6 +14,7 @@ from rich.console import Console
 
 from specee_edge.cli.app import app, console, err_console, fail
 from specee_edge.errors import ModelLoadError, SpecEEError
+from specee_edge.pack.format import quality_name
 
 if TYPE_CHECKING:
     from specee_edge.engine import Engine
@@ -39,10 +40,11 @@ ChatTemplate = Annotated[str | None, typer.Option("--chat-template", show_defaul
                                                   help="chatml, llama3, mistral, gemma, a Jinja file or a template (default: the model's)")]
 NoEarlyExit = Annotated[bool, typer.Option("--no-early-exit", help="decode every layer (the pack stays loaded)")]
 Quality = Annotated[str | None, typer.Option("--quality", show_default=False, help=(
-    "the pack's quality level: the share of tokens equal to the full model's it keeps, such as 0.95 "
-    "(default: the pack's default level; `specee-edge info PACK` lists each level's agreement and the share "
+    "the pack's quality level: exact (early exits draft tokens that the full model verifies in batches, so the "
+    "replies are the model's own), or a lossy level: the share of tokens equal to the full model's it keeps, such "
+    "as 0.95 (default: the pack's default level; `specee-edge info PACK` lists each level's agreement and the share "
     "of whole greedy answers that stay identical). One wrong token changes the rest of a reply: a level below "
-    "0.98 can keep few answers identical, and says so. A head-free exit samples among its k candidates only"))]
+    "0.98 can keep few answers identical, and says so. A lossy head-free exit samples among its k candidates only"))]
 Threshold = Annotated[float | None, typer.Option("--threshold", show_default=False,
                                                  help="exit threshold for every layer (default: the quality level's per-layer ones)")]
 ColorExits = Annotated[bool, typer.Option("--color-exits", help="colour each token by the layer it left at")]
@@ -81,7 +83,7 @@ def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str,
     level the pack lacks is always an error: the user asked for it.
     Returns (engine, model label, notice): notice is the one line to print, or None.
     """
-    from specee_edge.cli.repl import parse_quality
+    from specee_edge.pack import parse_quality
     from specee_edge.engine import AUTO, Engine, EngineConfig
     from specee_edge.pack import PackLevelError
     from specee_edge.threads import default_threads
@@ -258,6 +260,8 @@ def generate(
             err_console.print(line, style="yellow", highlight=False, markup=False, soft_wrap=True)
     max_tokens = n_predict if n_predict >= 0 else engine.ctx.n_ctx
     setting = exit_setting(engine)  # read before close, which lets go of the pack
+    level = {"quality": quality_name(engine.policy.quality) if engine.policy and engine.policy.quality is not None else None,
+             "exact": engine.exact}
     colour = color_exits and not json_out and sys.stdout.isatty()
     printer = TokenPrinter(Console(highlight=False), engine.n_layer, True) if colour else None
     pieces: list[str] = []
@@ -288,7 +292,7 @@ def generate(
     stats = engine.stats
     if json_out:
         pack_path = str(engine.pack_path) if engine.pack_path else None
-        print(json.dumps({"text": reply, "model": str(engine.model.info.path), "pack": pack_path,
+        print(json.dumps({"text": reply, "model": str(engine.model.info.path), "pack": pack_path, **level,
                           "stats": stats.summary()}))
     else:
         if reply and not reply.endswith("\n"):

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from specee_edge.gguf_index import GGUFIndex
 from specee_edge.exits import ExitKind
-from specee_edge.pack.format import PACK_ARCH, Pack, QualityLevel
+from specee_edge.pack.format import PACK_ARCH, Pack, QualityLevel, quality_name
 from specee_edge.pack.io import read_pack
 from specee_edge.pack.target import target_identity
 
@@ -75,7 +75,7 @@ def _pack_summary(path: Path) -> Group:
     t = pack.target
     # a pack with quality levels takes its thresholds and offline layers from them
     schedule = [
-        ("quality levels", f"{', '.join(f'{lv.quality:g}' for lv in pack.levels)} (default {pack.level().quality:g})"),
+        ("quality levels", f"{', '.join(quality_name(lv.quality) for lv in pack.levels)} (default {quality_name(pack.level().quality)})"),
     ] if pack.levels else [
         ("exit threshold", f"{pack.threshold:g}"),
         ("offline layers", ", ".join(map(str, pack.schedule.offline))),
@@ -116,15 +116,21 @@ def _levels_table(pack: Pack) -> Table:
         interval = f"{level.agreement:.3f}" + (f"\n({low:.3f}-{high:.3f})" if level.steps else "")
         identical = "-" if level.identical < 0 else f"{level.identical:.2f}" + (
             f" ({level.identical_code:.2f})" if level.identical_code >= 0 else "")
-        table.add_row(f"{level.quality:g}{' *' if level.quality == default else ''}", _exits_cell(level), interval,
-                      f"{level.exit_rate:.3f}", f"{level.head_free_rate:.3f}", f"{level.speedup:.3f}x", identical)
+        if level.exact:  # the full model's own answers: agreement 1 by construction, speed measured end to end
+            interval, identical = "1 (exact)", "all"
+        table.add_row(f"{quality_name(level.quality)}{' *' if level.quality == default else ''}", _exits_cell(level),
+                      interval, f"{level.exit_rate:.3f}", f"{level.head_free_rate:.3f}", f"{level.speedup:.3f}x", identical)
+    table.caption = ("exact: exits draft, the full model verifies up to max_draft drafts per batch; its speed was measured"
+                     " against plain decoding in the same run, the lossy levels' predicted from measured costs"
+                     if any(lv.exact for lv in pack.levels) else None)
     return table
 
 
 def _exits_cell(level: QualityLevel) -> str:
     if level.off:
-        return "none: decodes plainly"
-    parts = []
+        return "none: decodes plainly" + (" (drafting did not pay here)" if level.exact else "")
+    parts = [f"drafts: up to {level.max_draft:g} a round, stop below confidence {level.draft_stop:g}, accepted "
+             f"{level.acceptance:.2f}, {level.tokens_per_round:.2f} tokens a batch; exits of"] if level.exact else []
     for kind in (ExitKind.VERIFIED, ExitKind.HEAD_FREE):
         layers = [il for il in level.on_layers if level.exits[il].kind == kind]
         if layers:

@@ -12,7 +12,7 @@ from rich.text import Text
 from specee_edge.engine import Engine, GenerationStats, SamplingParams, TokenRecord
 from specee_edge.engine.exit import ExitPolicy
 from specee_edge.exits import ExitKind, depth_band, depth_bands
-from specee_edge.pack.format import IDENTICAL_FLOOR, LayerExit
+from specee_edge.pack.format import IDENTICAL_FLOOR, LayerExit, quality_name
 
 # Exit-depth colours, shallow to deep: (share of the last layer index reached, style).
 DEPTH_STYLES: tuple[str, ...] = ("bold green", "cyan", "yellow", "magenta")  # one per band of exits.DEPTH_BAND_SHARES
@@ -24,7 +24,7 @@ def exit_setting(engine: Engine) -> str | None:
     policy = engine.policy
     if policy is None:
         return None
-    parts = [f"quality {policy.quality:g}"] if policy.quality is not None else []
+    parts = [f"quality {quality_name(policy.quality)}"] if policy.quality is not None else []
     if policy.threshold is not None:
         parts.append(f"threshold {policy.threshold:g}")
     return ", ".join(parts) or None
@@ -36,7 +36,7 @@ def level_warning(engine: Engine) -> str | None:
     model's; or when the engine runs another KV mode than the one its figures were measured in."""
     policy = engine.policy
     level = policy.level if policy and engine.early_exit and policy.threshold is None else None
-    if level is None or level.off:
+    if level is None or level.off or level.exact:  # exact mode keeps the full model's answers
         return None
     notes = []
     whole = level.whole_answers
@@ -54,7 +54,10 @@ def footer(stats: GenerationStats, setting: str | None = None) -> str:
     """One line after each reply: prompt t/s, generation t/s, avg exit layer, exit %, and the exit setting."""
     parts = [f"prompt {stats.prompt_tok_s:.1f} t/s", f"generation {stats.decode_tok_s:.1f} t/s"]
     if stats.early_exit:
-        parts += [f"avg exit layer {stats.avg_exit_layer:.1f}/{stats.n_layer - 1}", f"exit {stats.exit_rate:.0%}"]
+        if stats.rounds:  # exact mode: drafts the full model accepted, tokens per verification batch
+            parts += [f"accepted {stats.acceptance_rate:.0%}", f"{stats.tokens_per_round:.1f} tokens/round"]
+        else:
+            parts += [f"avg exit layer {stats.avg_exit_layer:.1f}/{stats.n_layer - 1}", f"exit {stats.exit_rate:.0%}"]
         if setting:
             parts.append(setting)
     else:
@@ -87,6 +90,11 @@ def stats_table(stats: GenerationStats) -> Table:
             ("verify_fail_rate", f"{s['verify_fail_rate']:.1%} ({s['verify_failures']} of {s['positives']} positives)"),
             ("draft_recall@k", f"{s['draft_recall_at_k']:.1%}"),
             ("exit layers", exit_histogram(stats)),
+        ]
+    if s["rounds"]:
+        rows += [
+            ("acceptance_rate", f"{s['acceptance_rate']:.1%} ({s['accepted']} of {s['drafts']} drafts)"),
+            ("tokens_per_round", f"{s['tokens_per_round']:.2f} ({s['rounds']} verification batches)"),
         ]
     rows.append(("ms per token", ", ".join(f"{k} {v:.2f}" for k, v in s["ms_per_token"].items())))
     return _kv_table("last reply", rows)
@@ -164,7 +172,7 @@ def _quality_text(policy: ExitPolicy) -> str:
     if policy.quality is None:
         return "none (the pack has no quality levels)"
     default = " (the pack's default)" if policy.quality == policy.pack.level().quality else ""
-    return f"{policy.quality:g}{default}; the pack offers {', '.join(f'{lv.quality:g}' for lv in levels)}"
+    return f"{quality_name(policy.quality)}{default}; the pack offers {', '.join(quality_name(lv.quality) for lv in levels)}"
 
 
 def _exits_text(exits: dict[int, LayerExit]) -> str:

@@ -19,6 +19,7 @@ from rich.text import Text
 from specee_edge.cli.render import TokenPrinter, depth_legend, engine_info, exit_setting, footer, level_warning, stats_table
 from specee_edge.engine import Engine, GenerationStats, SamplingParams
 from specee_edge.errors import ContextFullError, SpecEEError
+from specee_edge.pack import parse_quality, quality_name
 
 try:  # arrow-key editing and history; absent on some platforms (the REPL works without it)
     import readline
@@ -38,7 +39,7 @@ HELP: tuple[tuple[str, str], ...] = (
     ("/set temp|top_k|top_p|min_p N", "sampling"),
     ("/set repeat_penalty|seed|n_predict N", "seed -1: random; n_predict -1: until the context is full"),
     ("/set system TEXT", "the system prompt (no TEXT: the template's default)"),
-    ("/set quality Q|default", "the pack's quality level: agreement with the full model, such as 0.95"),
+    ("/set quality exact|Q|default", "the pack's quality level: exact (drafts verified: the model's own replies) or an agreement such as 0.95"),
     ("/set threshold N", "exit threshold of every predictor layer (0..1), instead of the level's"),
     ("/set verbose on|off", "the /stats table after every reply"),
     ("/early-exit on|off", "speculative early exit (needs a pack)"),
@@ -75,19 +76,6 @@ def parse_switch(value: str) -> bool:
     if lowered in ("off", "false", "0", "no"):
         return False
     raise SpecEEError(f"expected on or off, got {value!r}")
-
-
-def parse_quality(value: str | None) -> float | None:
-    """--quality and /set quality: an agreement with the full model in (0, 1]; None or `default`: the pack's default."""
-    if value is None or value.strip().lower() == "default":
-        return None
-    try:
-        quality = float(value)
-    except ValueError:
-        raise SpecEEError(f"a quality is an agreement with the full model such as 0.95 (or default), got {value!r}") from None
-    if not 0.0 < quality <= 1.0:
-        raise SpecEEError(f"a quality is an agreement with the full model, in (0, 1]: got {quality:g}")
-    return quality
 
 
 class Repl:
@@ -290,7 +278,7 @@ class Repl:
         if key == "quality":
             self.engine.set_quality(parse_quality(value))
             quality = self.engine.policy.quality  # the level in use: the lowest at or above the value
-            self.console.print(f"quality = {quality:g}" if quality is not None else "the pack has no quality levels: "
+            self.console.print(f"quality = {quality_name(quality)}" if quality is not None else "the pack has no quality levels: "
                                "its own thresholds again", style="dim", highlight=False)
             if warning := level_warning(self.engine):
                 self.console.print(warning, style="yellow", highlight=False, markup=False)

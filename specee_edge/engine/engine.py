@@ -13,7 +13,7 @@ from __future__ import annotations
 import codecs
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from specee_edge.chat_templates import NAMED_TEMPLATES, named_template
 from specee_edge.default_model import default_model_path
 from specee_edge.draft.lookup import PromptLookup
 from specee_edge.engine.exit import ExitPolicy, find_pack
-from specee_edge.engine.records import GenerationStats, TokenRecord
+from specee_edge.engine.records import GenerationStats, TokenRecord, TokenSource
 from specee_edge.engine.sampling import SamplingParams, sample
 from specee_edge.engine.stops import StopMatcher
 from specee_edge.errors import ContextFullError, SpecEEError, UnsupportedModelError
@@ -39,6 +39,8 @@ from specee_edge.threads import default_threads
 # what `mask` costs; models whose K/V cannot be rebuilt (fused or scaled projections) get mask.
 DEFAULT_KV_MODE = "fill"
 FALLBACK_KV_MODE = "mask"
+Draw = Callable[..., int]  # (logits, pending tokens=()) -> the next token, by the request's sampling
+
 AUTO = "auto"  # pack=AUTO: MODEL.specee.gguf beside the model, else a shipped pack in models/
 
 
@@ -61,6 +63,16 @@ class Generation:
     text: str
     tokens: list[int]
     stats: GenerationStats
+
+
+def draft_confidence(logits: np.ndarray, candidates: Sequence[int]) -> float:
+    """The softmax share of the best candidate among the step's candidates (1 without candidates): how sure the
+    exit is of its draft, at the cost of k logits (a head-free exit has no others)."""
+    if not candidates:
+        return 1.0
+    z = logits[list(candidates)].astype(np.float64)
+    z = np.exp(z - z.max())
+    return float(1.0 / z.sum())
 
 
 class Engine:
@@ -111,13 +123,16 @@ class Engine:
 
     # --- one token -------------------------------------------------------------------------
 
-    def step(self, token: int) -> TokenRecord:
+    def step(self, token: int, exits: bool = True) -> TokenRecord:
         """Decode one token: its record (id and text filled in by the caller that samples the next one);
-        the logits for the next token are then in logits(). The path of one token, top to bottom."""
+        the logits for the next token are then in logits(). The path of one token, top to bottom.
+        exits=False: this token runs every layer (its graph is the stock one)."""
         t0 = time.perf_counter()
         self._last_step = None
         self._history.extend([token])      # before the decode: an interrupted one is undone by _sync_cache
-        if not self.early_exit or self.policy.idle:
+        if not self.early_exit or self.policy.idle or not exits:
+            if self.early_exit and not exits:
+                self.policy.begin_full_token()
             self.ctx.decode([token])
             return TokenRecord(-1, "", None, 0, 0, None, forward_ms=(time.perf_counter() - t0) * 1e3)
         lookup = self._history.propose() if self._history.max_n else None
@@ -127,6 +142,7 @@ class Engine:
         step = self._last_step = self.policy.end_token()  # exit, candidates; the online schedule learns it
         return TokenRecord(-1, "", step.exit_layer, step.probes, step.verify_failures, None,
                            exit_kind=step.exit_kind, candidates=step.candidates,
+                           source=TokenSource.FULL if step.exit_layer is None else TokenSource.EXIT,
                            draft_ms=step.draft_ms, forward_ms=(t1 - t0) * 1e3,
                            predictor_ms=step.predictor_ms, verify_ms=step.verify_ms)
 
@@ -205,26 +221,34 @@ class Engine:
         with threadpool_limits(limits=1, user_api="blas"):
             yield from self._stream(tokens, max_tokens, sampling, stop)
 
+    @property
+    def exact(self) -> bool:
+        """Exact mode: early exits draft tokens that the full model verifies in batches (the pack's exact level)."""
+        return self.early_exit and self.policy.max_draft > 0
+
     def _stream(self, tokens: list[int], max_tokens: int, sampling: SamplingParams,
                 stop: Sequence[str]) -> Iterator[TokenRecord]:
         rng = np.random.default_rng(sampling.seed)
         stats = self.stats = GenerationStats(self.n_layer, self.early_exit, n_prompt=len(tokens))
         stops = StopMatcher(stop)
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        history = list(tokens)
+        history = list(tokens)  # the prompt and the reply so far: the repeat penalty's window
+
+        def draw(logits: np.ndarray, pending: Sequence[int] = ()) -> int:
+            """The next token from `logits`, `pending` tokens after the reply so far."""
+            return sample(logits, sampling, rng, [*history, *pending] if pending else history)
+
+        source: Iterator[TokenRecord] | None = None
+        n_emitted = 0
         try:
             t0 = time.perf_counter()
             stats.n_cached = self._prefill(tokens)
-            record = TokenRecord(-1, "", None, 0, 0, None)
+            source = (self._exact_records(draw, max_tokens) if self.drafts(sampling) else
+                      self._plain_records(draw, exits=not self.exact))
             for n in range(max_tokens):
-                t_sample = time.perf_counter()
-                token = sample(self.logits(), sampling, rng, history)
-                record.id = token
-                record.sample_ms = (time.perf_counter() - t_sample) * 1e3
-                if record.candidates:  # the step had candidates (a graph without them reports none)
-                    record.draft_hit = token in record.candidates
-                    lookup = self.policy.lookup  # None, or not used when the step's graph had no draft
-                    record.lookup_hit = token == lookup if lookup in record.candidates else None
+                record = next(source)
+                token = record.id
+                n_emitted += 1
                 if n == 0:
                     stats.prompt_s = time.perf_counter() - t0
                 else:
@@ -243,14 +267,13 @@ class Engine:
                     return
                 if n == max_tokens - 1:
                     break
-                if self.ctx.n_past + 1 > self.ctx.n_ctx:
+                if len(history) > self.ctx.n_ctx:  # the cache is full: the token just emitted has no cell to go into
                     stats.finish_reason = "context"
                     record.text += stops.flush()
                     yield record
                     return
                 yield record
                 t0 = time.perf_counter()
-                record = self.step(token)
             stats.finish_reason = "length"
             record.text += stops.flush()
             yield record
@@ -258,15 +281,135 @@ class Engine:
             stats.finish_reason = "interrupted"
             raise
         finally:
-            self._sync_cache()
+            if source is not None:
+                source.close()
+            # the cache keeps the prompt and every emitted token but the last, which was never fed; a round
+            # of exact mode may have decoded further, an interrupted decode less
+            self._sync_cache(len(tokens) + max(n_emitted - 1, 0))
 
-    def _sync_cache(self) -> None:
-        """After an interruption the cache and the history may disagree by the decode that was cut
-        short: keep what both hold."""
-        n = min(self.ctx.n_past, len(self._history))
+    def _sync_cache(self, limit: int) -> None:
+        """Keep at most `limit` tokens in the cache, and after an interruption only what both the cache and
+        the history hold (they may disagree by the decode that was cut short)."""
+        n = min(self.ctx.n_past, len(self._history), limit)
         if self.ctx.n_past != n:
             self.ctx.truncate(n)
         self._history.truncate(n)
+
+    def drafts(self, sampling: SamplingParams) -> bool:
+        """Exact mode drafts for this request: its level measured drafting faster for this kind of decoding (else
+        exact mode decodes plainly)."""
+        return self.exact and self.policy.level.drafts(sampling.greedy)
+
+    def _plain_records(self, draw: Draw, exits: bool = True) -> Iterator[TokenRecord]:
+        """One token a step: drawn from the last step's logits, then decoded (a lossy level's exits are the answer;
+        exits=False: every token runs every layer)."""
+        record = TokenRecord(-1, "", None, 0, 0, None)  # the first token comes from the prompt's logits
+        while True:
+            t_sample = time.perf_counter()
+            token = record.id = draw(self.logits())
+            record.sample_ms = (time.perf_counter() - t_sample) * 1e3
+            if record.candidates:  # the step had candidates (a graph without them reports none)
+                record.draft_hit = token in record.candidates
+                lookup = self.policy.lookup  # None, or not used when the step's graph had no draft
+                record.lookup_hit = token == lookup if lookup in record.candidates else None
+            yield record
+            record = self.step(token, exits=exits)
+
+    # --- exact mode ------------------------------------------------------------------------
+
+    def _exact_records(self, draw: Draw, max_tokens: int) -> Iterator[TokenRecord]:
+        """Exact mode: rounds of drafts that the full model verifies; every emitted token is its own."""
+        t_sample = time.perf_counter()
+        token = draw(self.logits())  # the prompt's logits are the full model's
+        yield TokenRecord(token, "", None, 0, 0, None, sample_ms=(time.perf_counter() - t_sample) * 1e3)
+        n_emitted = 1
+        while True:
+            for record in self._round(token, draw, max_tokens - n_emitted):
+                n_emitted += 1
+                token = record.id
+                yield record
+
+    def _round(self, token: int, draw: Draw, budget: int) -> list[TokenRecord]:
+        """One round after `token`, the last emitted token (not in the cache yet): draft while the tokens
+        exit early, verify the drafts in one batch, keep what the full model accepts. Returns the records of
+        the tokens it emits (at least one; at most `budget` unless the budget is spent).
+
+        Draft: `token`, then each draft, is decoded alone with early exits; each step's argmax is the next
+        draft (after a head-free exit, the candidates'). A step that runs every layer ends the round; if it is
+        the first, the cache below it is exact and its logits are the full model's own: there is no round.
+        """
+        p = self.ctx.n_past
+        # the batch holds m + 1 rows at positions p .. p + m, and the round emits up to m + 1 tokens
+        limit = min(int(self.policy.max_draft), self.ctx.n_ctx - p - 1, budget - 1)
+        drafts: list[int] = []
+        steps: list[TokenRecord] = []
+        feed = token
+        confidence = 1.0  # that every draft so far is accepted, as the drafts' candidates see it
+        while True:
+            # no room for a batch (the context's end, or the last token asked for): a plain step
+            step = self.step(feed, exits=limit >= 1)
+            steps.append(step)
+            if step.exit_layer is None and not drafts:  # the full model's own step: no round
+                t_sample = time.perf_counter()
+                step.id = draw(self.logits())
+                step.sample_ms = (time.perf_counter() - t_sample) * 1e3
+                return [step]
+            logits = self.ctx.logits()
+            drafts.append(int(np.argmax(logits)))
+            confidence *= draft_confidence(logits, step.candidates)
+            if (step.exit_layer is None or len(drafts) >= limit or confidence < self.policy.draft_stop
+                    or self.model.is_eog(drafts[-1])):
+                break
+            feed = drafts[-1]
+        return self._verify(p, token, drafts, steps, draw)
+
+    def _verify(self, p: int, token: int, drafts: list[int], steps: list[TokenRecord], draw: Draw) -> list[TokenRecord]:
+        """Run [token, draft_1 .. draft_m] through every layer at positions p .. p + m, with logits for each
+        row: row i is the full model's distribution after draft_i. Its own token is drawn at each row and the
+        draft accepted while they are equal; the first that differs is emitted instead (a correction), and a
+        round accepted whole gets one more token from its last row (a bonus). Each emitted token is one draw
+        from the full model's distribution, as in plain decoding, so under sampling the output distribution
+        is the full model's exactly; the drafts only decide how many rows one batch checks."""
+        t0 = time.perf_counter()
+        # an EOS draft needs no row after it: the reply ends there if it is accepted
+        batch = [token, *drafts] if not self.model.is_eog(drafts[-1]) else [token, *drafts[:-1]]
+        # the drafted cells are shallow (their skipped layers filled or masked): drop them and recompute
+        self.ctx.truncate(p)
+        self._history.truncate(p)
+        self.policy.begin_verify()   # the batch's graph keeps the draft head, which keeps every output row
+        self._history.extend(batch)  # before the decode: an interrupted one is undone by _sync_cache
+        self.ctx.decode(batch, output_all=True)
+        self._last_step = None
+        t1 = time.perf_counter()
+        emitted: list[int] = []
+        records: list[TokenRecord] = []
+        for row in range(len(batch)):
+            t = draw(self.ctx.logits(row), emitted)
+            emitted.append(t)
+            if row < len(drafts) and t == drafts[row]:
+                record = steps[row]  # the draft's own step: its exit layer, probes and time
+                record.id, record.source = t, TokenSource.ACCEPTED
+                records.append(record)
+                if self.model.is_eog(t):
+                    break
+                continue
+            source = TokenSource.BONUS if row == len(drafts) else TokenSource.CORRECTION
+            records.append(TokenRecord(t, "", None, 0, 0, None, source=source))
+            break
+        # the cache keeps `token` and every emitted token but the last; the next draft reads the hidden
+        # state of the row that emitted that one
+        n_keep = p + len(emitted)
+        if n_keep < self.ctx.n_past:
+            self.ctx.truncate(n_keep)
+            self._history.truncate(n_keep)
+            self.ctx.draft_from_row(len(emitted) - 1)
+        first = records[0]
+        first.round_drafts = len(drafts)
+        first.batch_ms = (t1 - t0) * 1e3
+        first.sample_ms = (time.perf_counter() - t1) * 1e3
+        # drafting steps whose tokens were not emitted cost their time all the same
+        first.forward_ms += sum(step.forward_ms for step in steps[len(records):])
+        return records
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Generation:
         records = list(self.stream(prompt, **kwargs))

@@ -109,6 +109,16 @@ class ExitPolicy:
         return not self.schedule.predictor_layers
 
     @property
+    def max_draft(self) -> int:
+        """Exact mode's longest round of drafts (0: the level's exits are the answer)."""
+        return int(self.level.max_draft) if self.level is not None and self.threshold is None else 0
+
+    @property
+    def draft_stop(self) -> float:
+        """Exact mode: a round stops drafting once the product of its drafts' confidences falls below this."""
+        return self.level.draft_stop if self.max_draft else 0.0
+
+    @property
     def quality(self) -> float | None:
         return self.level.quality if self.level is not None else None
 
@@ -166,6 +176,19 @@ class ExitPolicy:
         else:
             self.ctx.set_probe_layers([])
             self._probe_layers = []
+
+    def begin_full_token(self) -> None:
+        """A token that runs every layer whatever its predictors say (exact mode with no room for a batch): no
+        probe layers, so its graph is the stock one; the next begin_token sets them again."""
+        if self._probe_layers != []:
+            self.ctx.set_probe_layers([])
+            self._probe_layers = []
+        self.lookup = None
+
+    def begin_verify(self) -> None:
+        """Exact mode's verification batch: with probe layers set, its graph keeps the draft head, which keeps
+        every output row's hidden state for the next draft (batches never stop)."""
+        self._set_probe_layers()
 
     def begin_token(self, lookup: int | None = None) -> None:
         """`lookup`: the prompt-lookup candidate for this step (None: the draft head fills every slot)."""

@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 
 from specee_edge.exits import ExitKind
+
+
+class TokenSource(str, Enum):
+    """Where an emitted token came from. In exact mode every token is the full model's own: a draft it
+    accepted, its correction of a draft, or the bonus token after a round it accepted whole."""
+
+    FULL = "full"              # one token decoded through every layer (plain decoding, or a round that did not exit)
+    EXIT = "exit"              # a lossy level's early exit: the exit's own token, never checked
+    ACCEPTED = "accepted"      # exact mode: a draft the verification batch agreed with
+    CORRECTION = "correction"  # exact mode: the full model's token where it disagreed with the draft
+    BONUS = "bonus"            # exact mode: the full model's next token after a round it accepted whole
 
 
 @dataclass
@@ -25,6 +37,9 @@ class TokenRecord:
     predictor_ms: float = 0.0  # inside forward_ms: features and MLPs
     verify_ms: float = 0.0     # inside forward_ms: exit heads of positive predictions and the top-1 check
     sample_ms: float = 0.0
+    source: TokenSource = TokenSource.FULL
+    round_drafts: int = 0      # exact mode, on the first token of a verified round: the drafts it checked
+    batch_ms: float = 0.0      # exact mode, on the first token of a round: its verification batch
 
 
 @dataclass
@@ -46,9 +61,13 @@ class GenerationStats:
     drafted: int = 0              # steps whose graph proposed candidates (the draft ran)
     lookup_proposals: int = 0     # steps with a prompt-lookup candidate
     lookup_hits: int = 0          # ... that was the emitted token
+    rounds: int = 0               # exact mode: verification batches
+    drafts: int = 0               # ... drafted tokens they checked
+    accepted: int = 0             # ... drafts the full model accepted
+    round_tokens: int = 0         # ... tokens the rounds emitted (accepted, corrections and bonuses)
     finish_reason: str = ""       # "stop" (EOS or a stop string), "length", "interrupted"
     exit_layers: list[int | None] = field(default_factory=list)
-    time_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("draft", "forward", "predictor", "verify", "sample"), 0.0))
+    time_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("draft", "forward", "predictor", "verify", "batch", "sample"), 0.0))
 
     def add(self, record: TokenRecord) -> None:
         self.n_decode += 1
@@ -64,6 +83,10 @@ class GenerationStats:
         self.drafted += bool(record.candidates)
         self.lookup_proposals += record.lookup_hit is not None
         self.lookup_hits += bool(record.lookup_hit)
+        self.rounds += record.round_drafts > 0
+        self.drafts += record.round_drafts
+        self.accepted += record.source == TokenSource.ACCEPTED
+        self.round_tokens += record.source in (TokenSource.ACCEPTED, TokenSource.CORRECTION, TokenSource.BONUS)
         for key in self.time_ms:
             self.time_ms[key] += getattr(record, f"{key}_ms")
 
@@ -113,6 +136,16 @@ class GenerationStats:
         """... one of the draft head's candidates (the slots prompt lookup left it)."""
         return (self.draft_hits - self.lookup_hits) / self.n_decode if self.n_decode and self.early_exit else 0.0
 
+    @property
+    def acceptance_rate(self) -> float:
+        """Exact mode: drafted tokens the full model accepted."""
+        return self.accepted / self.drafts if self.drafts else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Exact mode: tokens emitted per verification batch."""
+        return self.round_tokens / self.rounds if self.rounds else 0.0
+
     def summary(self) -> dict:
         """The SPEC.md §5 names plus counts and the per-token time split (ms per token)."""
         per_token = {k: v / self.n_decode for k, v in self.time_ms.items()} if self.n_decode else dict(self.time_ms)
@@ -128,6 +161,8 @@ class GenerationStats:
             draft_recall_at_k=self.draft_recall_at_k,
             recall_lookup=self.recall_lookup,
             recall_draft_head=self.recall_draft_head,
+            acceptance_rate=self.acceptance_rate,
+            tokens_per_round=self.tokens_per_round,
             ms_per_token=per_token,
         )
         return out

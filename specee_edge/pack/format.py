@@ -36,7 +36,14 @@ KEY_TEMPERATURES = "specee.predictor.temperatures"  # optional, per predictor la
 KEY_LEVELS = "specee.quality.levels"  # optional, ascending agreement targets; each has the keys of level_key()
 KEY_DEFAULT_QUALITY = "specee.quality.default"  # one of the levels
 LEVEL_FIELDS = ("thresholds", "kinds", "offline", "exit_rate", "agreement", "layer_speedup", "verify_fail_rate",
-                "speedup", "head_free_rate", "steps", "identical", "identical_code")
+                "speedup", "head_free_rate", "steps", "identical", "identical_code",
+                "max_draft", "draft_stop", "acceptance", "tokens_per_round", "verify_cost", "speedup_sampled")
+# exact mode is the level of quality 1: its exits draft tokens that the full model then verifies in batches
+EXACT_QUALITY = 1.0
+MAX_DRAFT = 16  # drafts in one verification batch (the runtime keeps up to 64 rows for the next draft)
+# exact mode drafts, greedy or sampled, only where calibration measured it faster than plain decoding by more
+# than this (two timings of plain decoding in one run differ by up to about 3 % on the calibrating machines)
+DRAFT_GAIN = 1.03
 # whole answers: a level keeps at least this share of held-out greedy answers (to code prompts, for models
 # that chat) identical to the full model's, or says that it does not (`chat` banner, `generate`, `info`)
 IDENTICAL_FLOOR = 0.75
@@ -128,6 +135,24 @@ class QualityLevel:
     steps: float = 0.0             # held-out steps behind agreement (0: not measured)
     identical: float = -1.0        # held-out greedy answers identical to the full model's (-1: not measured)
     identical_code: float = -1.0   # ... of code prompts
+    # exact mode (quality 1): an exit is a draft; at most max_draft of them go to one verification batch
+    max_draft: float = 0.0         # 0: a lossy level, whose exits are the answer
+    draft_stop: float = 0.0        # a round stops drafting once the product of its drafts' confidences is below it
+    acceptance: float = 0.0        # measured: drafted tokens the full model accepted
+    tokens_per_round: float = 0.0  # measured: tokens emitted per verification batch
+    verify_cost: float = 0.0       # measured: one verification batch against one plain token
+    speedup_sampled: float = 0.0   # measured: exact mode's speed with chat's default sampling (speedup: greedy)
+
+    @property
+    def exact(self) -> bool:
+        """Exits draft and the full model checks them: the answers are the full model's own."""
+        return self.max_draft > 0
+
+    def drafts(self, greedy: bool) -> bool:
+        """Exact mode drafts for this kind of decoding (else it decodes plainly): calibration measured it faster.
+        Sampling accepts fewer drafts than greedy decoding, so the two are measured apart."""
+        return self.exact and not self.off and (self.speedup if greedy else self.speedup_sampled) > DRAFT_GAIN
+
     @property
     def thresholds(self) -> dict[int, float]:
         return {il: e.threshold for il, e in self.exits.items()}
@@ -157,6 +182,27 @@ class QualityLevel:
     def on_layers(self) -> list[int]:
         """The layers that can exit at this level, ascending."""
         return sorted(il for il, e in self.exits.items() if e.on)
+
+
+def parse_quality(value: str | None) -> float | None:
+    """--quality and /set quality: `exact`, or a lossy level's agreement with the full model in (0, 1); None or
+    `default`: the pack's default. 1 is exact too (an agreement of 1 is what exact mode keeps)."""
+    if value is None or value.strip().lower() == "default":
+        return None
+    if value.strip().lower() == "exact":
+        return EXACT_QUALITY
+    try:
+        quality = float(value)
+    except ValueError:
+        raise SpecEEError(f"a quality is exact or an agreement with the full model such as 0.95 (or default), got {value!r}") from None
+    if not 0.0 < quality <= 1.0:
+        raise SpecEEError(f"a quality is an agreement with the full model, in (0, 1]: got {quality:g}")
+    return quality
+
+
+def quality_name(quality: float) -> str:
+    """How a level is named: `exact`, or its agreement."""
+    return "exact" if quality == EXACT_QUALITY else f"{quality:g}"
 
 
 @dataclass

@@ -32,7 +32,9 @@ from specee_edge.pack.format import (
     KEY_TARGET_N_VOCAB,
     KEY_THRESHOLD,
     KEY_DEFAULT_QUALITY,
+    EXACT_QUALITY,
     KEY_LEVELS,
+    MAX_DRAFT,
     KEY_TEMPERATURES,
     KEY_LOOKUP_MAX_N,
     KEY_VERSION,
@@ -319,8 +321,12 @@ def validate(pack: Pack, *, name: str = "pack") -> None:
     if set(pack.temperatures) - set(pack.predictors) or not all(0.05 <= v <= 20.0 for v in pack.temperatures.values()):
         fail("temperatures must be in [0.05, 20] and belong to predictor layers")
     qualities = [level.quality for level in pack.levels]
-    if qualities != sorted(set(qualities)) or not all(0.5 < q < 1.0 for q in qualities):
-        fail(f"quality levels must ascend within (0.5, 1): {qualities}")
+    if qualities != sorted(set(qualities)) or not all(0.5 < lv.quality < 1.0 or (lv.quality == EXACT_QUALITY and lv.exact)
+                                                      for lv in pack.levels):
+        fail(f"quality levels must ascend within (0.5, 1), the exact level last at 1: {qualities}")
+    for level in pack.levels:
+        if level.exact != (level.quality == EXACT_QUALITY) or not 0 <= level.max_draft <= MAX_DRAFT:
+            fail(f"quality {level.quality:g}: only the level of quality 1 is exact, with 1..{MAX_DRAFT} drafts a round")
     if pack.levels and pack.default_quality not in qualities:
         fail(f"the default quality {pack.default_quality} is not one of the levels {qualities}")
     last = t.n_layer - 1

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specee_edge.engine import Engine, GenerationStats, TokenRecord
 from specee_edge.errors import ContextFullError, SpecEEError
 from specee_edge.exits import depth_band, depth_bands
-from specee_edge.pack import PackLevelError
+from specee_edge.pack import PackLevelError, parse_quality
 from specee_edge.server import protocol
 from specee_edge.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
 from specee_edge.server.worker import EngineWorker, Job, QueueFullError, ServerClosingError
@@ -256,10 +256,11 @@ def _request_quality(engine: Engine, value: float | str | None, server_quality: 
     if engine.policy is None:
         raise ApiError(400, "quality levels come from a pack, and this server has none", param="quality")
     try:
-        engine.policy.pack.level(float(value))
-    except PackLevelError as e:
+        quality = parse_quality(str(value))
+        engine.policy.pack.level(quality)
+    except (PackLevelError, SpecEEError) as e:
         raise ApiError(400, str(e), param="quality") from None
-    return float(value)
+    return quality
 
 
 def _level_quality(engine: Engine, quality: float | None) -> float | None:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specee_edge.engine import GenerationStats, SamplingParams, TokenRecord
 from specee_edge.exits import ExitKind
+from specee_edge.pack.format import EXACT_QUALITY
 
 
 class SamplingFields(BaseModel):
@@ -32,7 +33,7 @@ class SamplingFields(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    quality: float | Literal["default"] | None = None  # the pack's quality level for this request
+    quality: float | Literal["default", "exact"] | None = None  # the pack's quality level for this request
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
@@ -107,7 +108,7 @@ def usage(stats: GenerationStats, n_completion: int) -> dict:
 def token_extension(record: TokenRecord) -> dict:
     """What a streamed token carries beyond OpenAI's chunk: where it left the network."""
     kind = {ExitKind.NONE: None, ExitKind.VERIFIED: "verified", ExitKind.HEAD_FREE: "head_free"}[record.exit_kind]
-    return {"exit_layer": record.exit_layer, "exit_kind": kind}
+    return {"exit_layer": record.exit_layer, "exit_kind": kind, "source": record.source.value}
 
 
 def reply_extension(stats: GenerationStats, quality: float | None) -> dict:
@@ -115,7 +116,8 @@ def reply_extension(stats: GenerationStats, quality: float | None) -> dict:
     return {"early_exit": stats.early_exit, "quality": quality, "n_layer": stats.n_layer,
             "avg_exit_layer": round(stats.avg_exit_layer, 3), "exit_rate": round(stats.exit_rate, 4),
             "head_free_rate": round(stats.head_free_rate, 4), "prompt_tok_s": round(stats.prompt_tok_s, 2),
-            "decode_tok_s": round(stats.decode_tok_s, 2)}
+            "decode_tok_s": round(stats.decode_tok_s, 2), "exact": stats.rounds > 0 or quality == EXACT_QUALITY,
+            "acceptance_rate": round(stats.acceptance_rate, 4), "tokens_per_round": round(stats.tokens_per_round, 3)}
 
 
 def created() -> int:

@@ -1,0 +1,272 @@
+"""Exact mode: early exits draft, the full model verifies them in one batch, the answers stay the full model's.
+
+The runtime's part (a verification batch keeps its rows for the next draft) on a tiny random-weight model;
+the engine's rounds on the default model, at a level whose loose head-free exits draft often and are often
+wrong, so that rounds are accepted whole, corrected at every position, and cut by stops and limits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from specee_edge.bench.quality import NEAR_TIE, divergence_margins
+from specee_edge.engine import GREEDY, Engine, EngineConfig, SamplingParams
+from specee_edge.engine.records import TokenSource
+from specee_edge.errors import SpecEEError
+from specee_edge.exits import ExitKind
+from specee_edge.pack import EXACT_QUALITY, LayerExit, PackLevelError, parse_quality, read_pack, write_pack
+from specee_edge.pack.io import PackError
+from specee_edge.runtime import Context, Model
+from tests.conftest import SHIPPED_PACK, tiny_model_path
+from tests.test_exits import PROMPT, always, drafted_context
+
+QUESTIONS = ("What is the capital of France?", "Write a haiku about rain.", "List three prime numbers.",
+             "Explain what a compiler does in one sentence.")
+
+
+def exact_level_of(pack, max_draft: int = 6, threshold: float = 0.3):
+    """An exact level drafting with head-free exits on every predictor layer above `threshold`."""
+    exits = {il: LayerExit(ExitKind.HEAD_FREE, threshold) for il in pack.predictors}
+    return dataclasses.replace(pack.levels[0], quality=EXACT_QUALITY, exits=exits, offline=sorted(pack.predictors),
+                               max_draft=float(max_draft), speedup=2.0, speedup_sampled=2.0)  # drafts both ways
+
+
+@pytest.fixture(scope="module")
+def exact_pack(tmp_path_factory):
+    pack = read_pack(SHIPPED_PACK)
+    lossy = [lv for lv in pack.levels if not lv.exact]
+    path = tmp_path_factory.mktemp("exact") / "exact.specee.gguf"
+    write_pack(path, dataclasses.replace(pack, levels=[*lossy, exact_level_of(pack)], default_quality=EXACT_QUALITY))
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(default_model, exact_pack) -> Engine:
+    return Engine(default_model.info.path, pack=exact_pack, config=EngineConfig(n_ctx=1024, n_threads=2))
+
+
+def prompt_of(engine: Engine, question: str) -> list[int]:
+    return engine.tokenize(engine.format_chat([{"role": "user", "content": question}]))
+
+
+def vanilla(engine: Engine, prompt: list[int], **kwargs):
+    engine.set_early_exit(False)
+    try:
+        engine.reset()
+        return engine.generate(prompt, **kwargs)
+    finally:
+        engine.set_early_exit(True)
+        engine.reset()
+
+
+def assert_cache_holds_the_reply(engine: Engine, prompt: list[int], reply: list[int]) -> None:
+    """After a reply the cache holds the prompt and every token but the last, each cell at full depth."""
+    expected = prompt + reply[:-1]
+    assert engine.cached_tokens == expected
+    assert engine.ctx.n_past == len(expected)
+    assert all(engine.ctx.cell_depth(pos) == engine.n_layer - 1 for pos in range(len(expected)))
+
+
+# --- the runtime: a batch's rows for the next draft ----------------------------------------------
+
+def test_a_batch_keeps_its_rows_for_the_next_draft(tiny_dir):
+    model = Model(tiny_model_path(tiny_dir, "llama"))
+
+    def next_candidates(row: int | None) -> tuple[int, ...]:
+        ctx = drafted_context(model)
+        always(model, ctx, [2], ExitKind.HEAD_FREE)
+        ctx.decode(PROMPT[:4])
+        ctx.decode(PROMPT[4:], output_all=True)  # the verification batch: every row's logits
+        if row is not None:
+            ctx.truncate(4 + row + 1)  # forgets the draft's input, not the batch's rows
+            ctx.draft_from_row(row)
+        ctx.decode([PROMPT[0]])
+        candidates = ctx.step_info().candidates
+        ctx.close()
+        return candidates
+
+    last = len(PROMPT) - 4 - 1
+    assert next_candidates(last) == next_candidates(None)  # the last row is what a batch leaves anyway
+    assert next_candidates(0) != next_candidates(None)
+
+    ctx = drafted_context(model)
+    always(model, ctx, [2], ExitKind.HEAD_FREE)
+    with pytest.raises(SpecEEError, match="no output row"):
+        ctx.draft_from_row(0)  # no batch yet
+    ctx.decode(PROMPT, output_all=True)
+    with pytest.raises(SpecEEError, match="no output row 8"):
+        ctx.draft_from_row(len(PROMPT))
+    ctx.decode([3])  # a single-token graph makes the rows stale
+    with pytest.raises(SpecEEError, match="no output row"):
+        ctx.draft_from_row(0)
+    ctx.close()
+
+
+# --- the pack and the names -------------------------------------------------------------------------
+
+def test_the_exact_level_round_trips_and_is_checked(tmp_path):
+    pack = read_pack(SHIPPED_PACK)
+    lossy = [lv for lv in pack.levels if not lv.exact]
+    level = dataclasses.replace(exact_level_of(pack, max_draft=5), draft_stop=0.6, acceptance=0.7, tokens_per_round=2.5)
+    write_pack(tmp_path / "ok.gguf", dataclasses.replace(pack, levels=[*lossy, level], default_quality=EXACT_QUALITY))
+    back = read_pack(tmp_path / "ok.gguf")
+    assert back.level().exact and back.level(parse_quality("exact")) == back.level()
+    assert (back.level().max_draft, back.level().draft_stop) == (5, pytest.approx(0.6))
+    assert not back.level(lossy[0].quality).exact
+
+    with pytest.raises(PackError, match="only the level of quality 1 is exact"):
+        bad = dataclasses.replace(level, quality=0.999)
+        write_pack(tmp_path / "bad.gguf", dataclasses.replace(pack, levels=[*lossy, bad], default_quality=0.999))
+    with pytest.raises(PackError, match="drafts a round"):
+        bad = dataclasses.replace(level, max_draft=99.0)
+        write_pack(tmp_path / "bad.gguf", dataclasses.replace(pack, levels=[*lossy, bad], default_quality=EXACT_QUALITY))
+    without = dataclasses.replace(pack, levels=lossy, default_quality=lossy[-1].quality)
+    with pytest.raises(PackLevelError, match="no quality level at or above 1"):
+        without.level(parse_quality("exact"))
+    assert parse_quality("1") == parse_quality("exact") == EXACT_QUALITY
+    with pytest.raises(SpecEEError, match="exact or an agreement"):
+        parse_quality("precise")
+
+
+# --- the engine's rounds --------------------------------------------------------------------------
+
+def test_greedy_exact_mode_is_vanillas_answer_up_to_near_ties(engine):
+    """Every answer equals vanilla greedy's, or departs where vanilla's top two logits nearly tie (batched graphs
+    take other kernels); the rounds draft, accept, correct and finish with bonuses."""
+    assert engine.exact
+    reference = Context(engine.model, n_ctx=1024, n_threads=2)
+    prompts, exact_outputs, vanilla_outputs = [], [], []
+    totals = dict.fromkeys(("rounds", "drafts", "accepted"), 0)
+    sources = set()
+    for question in QUESTIONS:
+        prompt = prompt_of(engine, question)
+        plain = vanilla(engine, prompt, max_tokens=40, sampling=GREEDY)
+        records = list(engine.stream(prompt, max_tokens=40, sampling=GREEDY))
+        assert_cache_holds_the_reply(engine, prompt, [r.id for r in records])
+        engine.reset()
+        for key in totals:
+            totals[key] += getattr(engine.stats, key)
+        sources |= {r.source for r in records}
+        prompts.append(prompt)
+        exact_outputs.append([r.id for r in records])
+        vanilla_outputs.append(plain.tokens)
+    reference.close()
+    margins = divergence_margins(Context(engine.model, n_ctx=1024, n_threads=2), prompts, vanilla_outputs, exact_outputs)
+    assert all(margin < NEAR_TIE for margin in margins), margins
+    assert len(margins) <= len(QUESTIONS) // 2
+    assert totals["rounds"] > 0 and 0 < totals["accepted"] < totals["drafts"]
+    assert {TokenSource.ACCEPTED, TokenSource.CORRECTION} <= sources
+
+
+def test_a_lossy_level_would_change_the_answers_exact_mode_keeps(engine, exact_pack):
+    """The same exits as the answer (a lossy level) depart from vanilla: what exact mode's verification prevents."""
+    pack = read_pack(exact_pack)
+    lossy = dataclasses.replace(pack.level(), quality=0.9, max_draft=0.0)
+    prompt = prompt_of(engine, QUESTIONS[1])
+    plain = vanilla(engine, prompt, max_tokens=40, sampling=GREEDY)
+    engine.policy.set_level(lossy)
+    try:
+        lossy_tokens = engine.generate(prompt, max_tokens=40, sampling=GREEDY).tokens
+    finally:
+        engine.set_quality(None)
+        engine.reset()
+    assert lossy_tokens != plain.tokens
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 7])
+def test_rounds_cut_by_the_token_limit_leave_the_cache_exact(engine, max_tokens):
+    prompt = prompt_of(engine, QUESTIONS[0])
+    plain = vanilla(engine, prompt, max_tokens=max_tokens, sampling=GREEDY)
+    out = engine.generate(prompt, max_tokens=max_tokens, sampling=GREEDY)
+    assert len(out.tokens) == len(plain.tokens) <= max_tokens
+    assert_cache_holds_the_reply(engine, prompt, out.tokens)
+    engine.reset()
+
+
+def test_a_stop_string_or_a_closed_stream_mid_round_leaves_the_cache_exact(engine):
+    prompt = prompt_of(engine, "Count from one to twenty in words, separated by commas.")
+    records = list(engine.stream(prompt, max_tokens=48, sampling=GREEDY))
+    engine.reset()
+    stop = "".join(r.text for r in records[6:9]).strip()  # a few tokens in, likely inside a round
+    assert stop
+    cut = engine.generate(prompt, max_tokens=48, sampling=GREEDY, stop=[stop])
+    assert stop not in cut.text and cut.stats.finish_reason == "stop" and len(cut.tokens) < len(records)
+    assert_cache_holds_the_reply(engine, prompt, cut.tokens)
+    engine.reset()
+    stream = engine.stream(prompt, max_tokens=48, sampling=GREEDY)
+    taken = [next(stream).id for _ in range(6)]
+    stream.close()  # as Ctrl+C or a client that disconnects does
+    assert_cache_holds_the_reply(engine, prompt, taken)
+    # the next turn decodes on from what the cache holds
+    follow = engine.generate(prompt + taken, max_tokens=8, sampling=GREEDY)
+    assert follow.stats.n_cached == len(prompt) + len(taken) - 2  # a prefill decodes at least two tokens
+    engine.reset()
+
+
+def test_a_round_at_the_end_of_the_context(default_model, exact_pack):
+    engine = Engine(default_model.info.path, pack=exact_pack, config=EngineConfig(n_ctx=256, n_threads=2))
+    prompt = prompt_of(engine, "Count from one to one hundred in words, separated by commas.")
+    out = engine.generate(prompt, max_tokens=1000, sampling=GREEDY)
+    # as in plain decoding: the cache holds n_ctx tokens, and the last token emitted has no cell left
+    assert out.stats.finish_reason == "context" and len(prompt) + len(out.tokens) == engine.ctx.n_ctx + 1
+    assert out.stats.rounds > 0
+    assert_cache_holds_the_reply(engine, prompt, out.tokens)
+    engine.close()
+
+
+def test_sampling_with_a_seed_repeats(engine):
+    """Each emitted token is one draw from the request's generator, in order: a seed repeats the reply."""
+    prompt = prompt_of(engine, QUESTIONS[3])
+    sampling = SamplingParams(temperature=0.8, seed=11)
+    first = engine.generate(prompt, max_tokens=40, sampling=sampling)
+    engine.reset()
+    again = engine.generate(prompt, max_tokens=40, sampling=sampling)
+    engine.reset()
+    assert first.tokens == again.tokens and first.stats.rounds > 0
+
+
+def test_exact_sampling_keeps_the_full_models_token_frequencies(engine):
+    """On a fixed prompt, three-token replies are as frequent as vanilla's (seeds differ between the lanes: no
+    coupling), their second and third tokens drawn in verification batches."""
+    prompt = prompt_of(engine, "Name an animal.")
+    n = 150
+
+    def three_tokens(exact: bool, offset: int) -> list[tuple[int, ...]]:
+        """n replies of three tokens drawn from the two likeliest at each step (at most 8 outcomes)."""
+        engine.set_early_exit(exact)
+        drawn = []
+        for seed in range(n):
+            out = engine.generate(prompt, max_tokens=3, sampling=SamplingParams(temperature=1.0, top_k=2, top_p=1.0,
+                                                                              min_p=0.0, seed=offset + seed))
+            drawn.append(tuple(out.tokens))
+        engine.set_early_exit(True)
+        return drawn
+
+    ours, theirs = three_tokens(True, 0), three_tokens(False, 10_000)
+    engine.reset()
+    outcomes = sorted(set(ours) | set(theirs))
+    p = np.array([ours.count(o) for o in outcomes]) / n
+    q = np.array([theirs.count(o) for o in outcomes]) / n
+    total_variation = 0.5 * np.abs(p - q).sum()
+    # two samples of 150 from one distribution over at most 8 replies: total variation about 0.1 (0.25 is far
+    # in the tail); an engine that accepted its drafts without drawing would shift the mass to the drafts' reply
+    assert total_variation < 0.25, (total_variation, outcomes)
+    assert len(set(ours)) > 2
+
+
+def test_records_name_their_source_and_stats_add_up(engine):
+    prompt = prompt_of(engine, QUESTIONS[2])
+    records = list(engine.stream(prompt, max_tokens=32, sampling=GREEDY))
+    stats = engine.stats
+    engine.reset()
+    decoded = records[1:]  # the first comes from the prompt's logits
+    assert stats.round_tokens == sum(r.source != TokenSource.FULL for r in decoded)
+    assert stats.accepted == sum(r.source == TokenSource.ACCEPTED for r in decoded)
+    assert 0 < stats.acceptance_rate < 1 and stats.tokens_per_round >= 1
+    assert sum(r.round_drafts for r in decoded) == stats.drafts
+    assert stats.time_ms["batch"] > 0
+    summary = stats.summary()
+    assert summary["acceptance_rate"] == stats.acceptance_rate and summary["tokens_per_round"] == stats.tokens_per_round
