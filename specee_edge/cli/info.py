@@ -116,10 +116,12 @@ def _levels_table(pack: Pack) -> Table:
         interval = f"{level.agreement:.3f}" + (f"\n({low:.3f}-{high:.3f})" if level.steps else "")
         identical = "-" if level.identical < 0 else f"{level.identical:.2f}" + (
             f" ({level.identical_code:.2f})" if level.identical_code >= 0 else "")
+        speed = f"{level.speedup:.3f}x"
         if level.exact:  # the full model's own answers: agreement 1 by construction, speed measured end to end
             interval, identical = "1 (exact)", "all"
+            speed += f" greedy\n{level.speedup_sampled:.3f}x sampled" if level.speedup_sampled else " greedy"
         table.add_row(f"{quality_name(level.quality)}{' *' if level.quality == default else ''}", _exits_cell(level),
-                      interval, f"{level.exit_rate:.3f}", f"{level.head_free_rate:.3f}", f"{level.speedup:.3f}x", identical)
+                      interval, f"{level.exit_rate:.3f}", f"{level.head_free_rate:.3f}", speed, identical)
     table.caption = ("exact: exits draft, the full model verifies up to max_draft drafts per batch; its speed was measured"
                      " against plain decoding in the same run, the lossy levels' predicted from measured costs"
                      if any(lv.exact for lv in pack.levels) else None)
@@ -129,10 +131,10 @@ def _levels_table(pack: Pack) -> Table:
 def _exits_cell(level: QualityLevel) -> str:
     if level.off:
         return "none: decodes plainly" + (" (drafting did not pay here)" if level.exact else "")
-    parts = [f"drafts: up to {level.max_draft:g} a round, stop below confidence {level.draft_stop:g}, accepted "
-             f"{level.acceptance:.2f}, {level.tokens_per_round:.2f} tokens a batch; exits of"] if level.exact else []
+    parts = [f"drafts up to {level.max_draft:g} a round (stop below confidence {level.draft_stop:g}; accepted "
+             f"{level.acceptance:.2f}, {level.tokens_per_round:.2f} tokens a batch) with"] if level.exact else []
     for kind in (ExitKind.VERIFIED, ExitKind.HEAD_FREE):
         layers = [il for il in level.on_layers if level.exits[il].kind == kind]
         if layers:
             parts.append(f"{kind.label} " + ", ".join(f"{il}@{level.exits[il].threshold:.2f}" for il in layers))
-    return "; ".join(parts)
+    return "; ".join(parts).replace("with; ", "with ")
