@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.table import Table
 from threadpoolctl import threadpool_limits
 
-from specee_edge.data.prompts import load_prompts, split
+from specee_edge.data.prompts import CALIBRATION_SPLIT, Prompt, load_prompts, split
 from specee_edge.engine import Engine, EngineConfig
 from specee_edge.engine.sampling import GREEDY, SamplingParams
 from specee_edge.exits import ExitKind
@@ -32,7 +32,6 @@ MAX_DRAFTS = (3, 6)           # the longest rounds tried
 DRAFT_STOPS = (0.0, 0.6)       # confidence floors tried (0: a round drafts until a step runs every layer or max_draft)
 SAMPLED = SamplingParams(seed=0)  # chat's defaults: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05
 FALLBACK_EXIT = LayerExit(ExitKind.HEAD_FREE, 0.5)  # where no lossy level has a layer on
-SPLIT = (0.6, 0.2, 0.2)  # the calibration pipeline's prompt split: trials on the second part, figures on the third
 
 
 @dataclass
@@ -136,16 +135,21 @@ def measure(engine: Engine, level: QualityLevel, prompts: Sequence[list[int]], t
                       batch_ms / rounds / plain_ms if rounds else 0.0)
 
 
+def exact_candidates(sources: Sequence[QualityLevel]) -> list[tuple[QualityLevel, int, float]]:
+    """(exits, max_draft, draft_stop) to try: every lossy level with a layer on, each with every setting."""
+    drafting = [source for source in sources if not source.off and not source.exact]
+    if not drafting:  # no level exits at all; drafts are checked, so every predictor may draft at an even threshold
+        drafting = [dataclasses.replace(sources[0], exits=dict.fromkeys(sources[0].exits, FALLBACK_EXIT),
+                                        offline=sorted(sources[0].exits))]
+    return [(source, max_draft, stop) for source in drafting for max_draft in MAX_DRAFTS for stop in DRAFT_STOPS]
+
+
 def choose_exact(engine: Engine, sources: Sequence[QualityLevel], calibration: Sequence[list[int]],
                  heldout: Sequence[list[int]], tokens: int, advance: Callable[[], None] = lambda: None,
                  ) -> tuple[QualityLevel, ExactReport]:
     """The exact level: the fastest candidate on the calibration prompts, measured again on the held-out ones,
     and left plain (every layer off) unless it pays there."""
-    drafting = [source for source in sources if not source.off and not source.exact]
-    if not drafting:  # no level exits at all; drafts are checked, so every predictor may draft at an even threshold
-        drafting = [dataclasses.replace(sources[0], exits=dict.fromkeys(sources[0].exits, FALLBACK_EXIT),
-                                        offline=sorted(sources[0].exits))]
-    candidates = [(source, max_draft, stop) for source in drafting for max_draft in MAX_DRAFTS for stop in DRAFT_STOPS]
+    candidates = exact_candidates(sources)
     trials = []
     for source, max_draft, stop in candidates:
         trial = measure(engine, exact_level(source, max_draft, stop), calibration, tokens)
@@ -169,12 +173,16 @@ def with_exact(pack: Pack, level: QualityLevel) -> Pack:
     return dataclasses.replace(pack, levels=[*lossy, level], default_quality=EXACT_QUALITY)
 
 
+def prompt_tokens(engine: Engine, prompts: Sequence[Prompt], part: Sequence[int], n: int) -> list[list[int]]:
+    """The first n prompts of a split's part, as the engine is prompted with them."""
+    return [engine.tokenize(engine.format_prompt(prompts[i].text)) for i in sorted(part)[:n]]
+
+
 def exact_prompts(engine: Engine, prompts_path: Path | None, seed: int, n: int) -> tuple[list[list[int]], list[list[int]]]:
     """Up to n prompts of the calibration split and n of the held-out split, as the pipeline splits them."""
     prompts = load_prompts(prompts_path)
-    _, calibration, heldout = split(len(prompts), seed, SPLIT)
-    tokens = lambda part: [engine.tokenize(engine.format_prompt(prompts[i].text)) for i in sorted(part)[:n]]  # noqa: E731
-    return tokens(calibration), tokens(heldout)
+    _, calibration, heldout = split(len(prompts), seed, CALIBRATION_SPLIT)
+    return prompt_tokens(engine, prompts, calibration, n), prompt_tokens(engine, prompts, heldout, n)
 
 
 def add_exact_level(model: Path, pack_path: Path, output: Path, *, prompts_path: Path | None = None, seed: int = 0,
@@ -196,5 +204,5 @@ def add_exact_level(model: Path, pack_path: Path, output: Path, *, prompts_path:
 
 
 def n_trials(pack: Pack) -> int:
-    """Engine runs choose_exact makes for `pack` (for a progress bar)."""
-    return sum(not lv.off and not lv.exact for lv in pack.levels) * len(MAX_DRAFTS) * len(DRAFT_STOPS) + 1
+    """Engine runs choose_exact makes for `pack` (for a progress bar): each candidate, then the chosen one again."""
+    return len(exact_candidates(pack.levels)) + 1

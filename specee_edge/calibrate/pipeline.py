@@ -28,13 +28,13 @@ from threadpoolctl import threadpool_limits
 from specee_edge.calibrate import dataset as dataset_stage
 from specee_edge.calibrate.collect import Collector, Shard, round_sampling, shard_path
 from specee_edge.calibrate.draft_fit import DRAFT_RIDGE, fit_draft
-from specee_edge.calibrate.exact import ExactReport, choose_exact, with_exact
+from specee_edge.calibrate.exact import ExactReport, choose_exact, prompt_tokens, with_exact
 from specee_edge.calibrate.levels import LEVELS, LevelSearch, check_with_engine, choose_levels
 from specee_edge.calibrate.predictor_fit import Probes, layer_features, probe_all, simulate, train_predictors
 from specee_edge.calibrate.replay import identical_answers, pick_answers, replay
 from specee_edge.calibrate.report import CalibrationReport, LayerReport, LevelReport
 from specee_edge.calibrate.temperature import fit_temperatures
-from specee_edge.data.prompts import load_prompts, split
+from specee_edge.data.prompts import CALIBRATION_SPLIT, load_prompts, split
 from specee_edge.draft import LinearDraft
 from specee_edge.draft.lookup import LOOKUP_MAX_N
 from specee_edge.engine import Engine, EngineConfig
@@ -49,7 +49,6 @@ from specee_edge.runtime.weights import TargetWeights
 from specee_edge.threads import default_threads
 
 CACHE = Path.home() / ".cache" / "specee-edge" / "calibrate"
-SPLIT = (0.6, 0.2, 0.2)  # prompts: train / threshold calibration / test
 COLLECTION = 2  # how answers are collected: a work dir from another version is not reused
 MAX_ROUNDS = 16  # answers per prompt at most (the first greedy, the others sampled)
 STEPS = 9  # the stages, for the progress bars
@@ -219,7 +218,7 @@ class Calibration:
 
             shards = self.collect(progress)
             ds = self.dataset(shards, weights, progress)
-            train_p, calib_p, test_p = split(int(ds.prompt.max()) + 1, config.seed, SPLIT)
+            train_p, calib_p, test_p = split(int(ds.prompt.max()) + 1, config.seed, CALIBRATION_SPLIT)
             train, calib, test = ds.rows(train_p), ds.rows(calib_p), ds.rows(test_p)
             # the candidates the engine will see: the prompt-lookup one first, then the draft head's
             lookup = dataset_stage.lookup_column(shards, config.lookup)
@@ -272,8 +271,7 @@ class Calibration:
 
                 advance = stage("exact mode (runs)", None)
                 t0 = time.perf_counter()
-                as_tokens = lambda part: [engine.tokenize(engine.format_prompt(prompts[i].text))  # noqa: E731
-                                          for i in sorted(part)[: config.exact_prompts]]
+                as_tokens = lambda part: prompt_tokens(engine, prompts, part, config.exact_prompts)  # noqa: E731
                 # drafts are checked, so a level's exits may pay as drafts where they did not as answers: the
                 # candidates are the levels as chosen, before the held-out check turned the slow ones off
                 exact, exact_report = choose_exact(engine, [choice.level for choice in choices], as_tokens(calib_p),

@@ -58,6 +58,9 @@ def heldout_text() -> str:
     return files(__package__).joinpath("heldout.txt").read_text()
 
 
+CALIBRATION_SPLIT = (0.6, 0.2, 0.2)  # calibration's prompts: train / threshold calibration / test
+
+
 def split(n: int, seed: int, fractions: tuple[float, ...]) -> list[np.ndarray]:
     """Shuffle range(n) and cut it into consecutive parts of the given fractions (the last takes the rest)."""
     order = np.random.default_rng(seed).permutation(n)

@@ -345,6 +345,7 @@ class Engine:
         steps: list[TokenRecord] = []
         feed = token
         confidence = 1.0  # that every draft so far is accepted, as the drafts' candidates see it
+        draft_stop = self.policy.draft_stop
         while True:
             # no room for a batch (the context's end, or the last token asked for): a plain step
             step = self.step(feed, exits=limit >= 1)
@@ -356,8 +357,9 @@ class Engine:
                 return [step]
             logits = self.ctx.logits()
             drafts.append(int(np.argmax(logits)))
-            confidence *= draft_confidence(logits, step.candidates)
-            if (step.exit_layer is None or len(drafts) >= limit or confidence < self.policy.draft_stop
+            if draft_stop:  # the confidence costs a softmax over the candidates: only when a floor asks for it
+                confidence *= draft_confidence(logits, step.candidates)
+            if (step.exit_layer is None or len(drafts) >= limit or confidence < draft_stop
                     or self.model.is_eog(drafts[-1])):
                 break
             feed = drafts[-1]
