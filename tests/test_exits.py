@@ -18,7 +18,7 @@ from specee_edge.archs import ARCHS
 from specee_edge.errors import SpecEEError
 from specee_edge.exits import ExitKind
 from specee_edge.runtime import Context, Model
-from specee_edge.runtime._bindings import C
+from specee_edge.runtime._bindings import C, Decision
 from specee_edge.runtime.context import GraphInfo
 from tests.conftest import supported_model_path, tiny_model_path
 
@@ -205,6 +205,36 @@ def test_inputs_are_checked_at_the_c_boundary(tiny):
         ctx.set_predictor(1, [np.zeros((8, 5), np.float32), weights[1]], biases)
     with pytest.raises(SpecEEError, match="no native predictor"):
         ctx.set_exit(2, ExitKind.VERIFIED, 0.5)
+    repeated = random_draft(tiny)
+    repeated["vocab_map"][5] = repeated["vocab_map"][0]  # one id on two rows of the head
+    with pytest.raises(SpecEEError, match="llama_specee_set_draft failed"):
+        ctx.set_draft(**repeated)
+    layers, logits, verified = (ctypes.c_int32 * 1)(1), (ctypes.c_float * K)(), (ctypes.c_uint8 * 1)(0)
+    out = ctypes.byref(Decision())
+    assert C["llama_specee_decide"](ctx._ctx, 1, layers, logits, None, out) == -1  # NULL arrays are refused
+    assert C["llama_specee_decide"](ctx._ctx, 1, None, logits, verified, out) == -1
+    assert C["llama_specee_decide"](ctx._ctx, 1, layers, logits, verified, None) == -1
+    assert C["llama_specee_decide"](ctx._ctx, 1, layers, logits, verified, out) == 0
+    ctx.close()
+
+
+def test_a_draft_set_twice_without_a_decode_gets_a_new_graph(tiny):
+    """Graph reuse keys the draft head by the set_draft call that made it, not by its tensors' addresses: a
+    third head can get the first one's freed addresses back (it did: the reused graph, built for a 64-row
+    head, read a 16-row one and ggml aborted)."""
+    ctx = drafted_context(tiny, kv_mode="mask")
+    always(tiny, ctx, [1], ExitKind.VERIFIED)
+    ctx.set_exit(1, ExitKind.VERIFIED, 1.0)  # checked, never leaves: the draft runs in every step's graph
+    ctx.decode(PROMPT)
+    ctx.decode([4])
+    for _ in range(3):
+        ctx.set_draft(**random_draft(tiny, seed=1, vocab=32))
+        third = random_draft(tiny, seed=2, vocab=16)
+        ctx.set_draft(**third)
+        ctx.decode([6])
+        assert set(ctx.step_info().candidates) <= set(third["vocab_map"].tolist())
+        ctx.set_draft(**random_draft(tiny))
+        ctx.decode([7])
     ctx.close()
 
 

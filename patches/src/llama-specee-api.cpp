@@ -145,7 +145,10 @@ float llama_specee_predictor_prob(llama_context * ctx, int32_t il, const float *
 int32_t llama_specee_decide(llama_context * ctx, int32_t n, const int32_t * layers, const float * cand_logits,
         const uint8_t * verified, llama_specee_decision * out) {
     auto * sp = ctx->get_specee();
-    if (!sp || n < 0 || std::any_of(layers, layers + n, [sp](int32_t il) { return il < 0 || il >= sp->n_layer; })) {
+    if (!sp || n < 0 || (n > 0 && (!layers || !cand_logits || !verified)) || !out) {
+        return -1;
+    }
+    if (std::any_of(layers, layers + n, [sp](int32_t il) { return il < 0 || il >= sp->n_layer; })) {
         return -1;
     }
     sp->decide(n, layers, cand_logits, verified, *out);

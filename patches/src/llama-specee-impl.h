@@ -197,6 +197,7 @@ private:
     ggml_context_ptr          draft_ctx;
     ggml_backend_buffer_ptr   draft_buf;
     llm_graph_specee_draft    draft;
+    uint64_t n_drafts_set = 0; // set_draft calls so far: each draft's generation
     int32_t rows_kept = 0; // output rows of the last multi-row graph in draft.h_rows (0: none)
 
     // the caller's candidates for the next single-token graph, and the inputs that merge them

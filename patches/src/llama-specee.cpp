@@ -530,10 +530,12 @@ int32_t llama_specee::set_draft(ggml_type type, int32_t n_draft_vocab, const flo
         n_embd % ggml_blck_size(type) != 0) {
         return -2;
     }
+    std::vector<int32_t> row_of(n_vocab, -1); // each id's draft row: an id twice would be scored twice
     for (int32_t i = 0; i < n_draft_vocab; ++i) {
-        if (vocab_map[i] < 0 || vocab_map[i] >= n_vocab) {
+        if (vocab_map[i] < 0 || vocab_map[i] >= n_vocab || row_of[vocab_map[i]] >= 0) {
             return -2;
         }
+        row_of[vocab_map[i]] = i;
     }
     // a full-mode token still waiting for its remaining layers writes the current h_prev when it completes
     if (kv_mode == LLAMA_SPECEE_KV_FULL && exit_layer >= 0 && exit_layer < n_layer - 1) {
@@ -541,8 +543,6 @@ int32_t llama_specee::set_draft(ggml_type type, int32_t n_draft_vocab, const flo
         exit_layer = -1;
     }
 
-    // the new tensors are made while the old ones still exist, so that no pointer of the new draft equals
-    // one of the old: the graph-reuse check compares them
     ggml_init_params params = { ggml_tensor_overhead()*9, nullptr, /*.no_alloc =*/ true };
     ggml_context_ptr ctx_ptr(ggml_init(params));
     ggml_context * ctx = ctx_ptr.get();
@@ -556,6 +556,7 @@ int32_t llama_specee::set_draft(ggml_type type, int32_t n_draft_vocab, const flo
     d.h_prev    = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_embd, 1);
     d.h_rows    = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_embd, LLAMA_SPECEE_MAX_ROWS);
     d.eps       = eps;
+    d.generation = ++n_drafts_set; // what the graph-reuse check compares
 
     // on the first (highest-priority) device, where the layers run when they are offloaded
     ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(lctx.backend_ptrs[0]);
@@ -579,10 +580,7 @@ int32_t llama_specee::set_draft(ggml_type type, int32_t n_draft_vocab, const flo
     ggml_backend_tensor_set(d.norm, norm, 0, n_embd*sizeof(float));
     ggml_backend_tensor_set(d.vocab_map, vocab_map, 0, n_draft_vocab*sizeof(int32_t));
 
-    draft_row.assign(n_vocab, -1);
-    for (int32_t i = 0; i < n_draft_vocab; ++i) {
-        draft_row[vocab_map[i]] = i;
-    }
+    draft_row = std::move(row_of);
     lookup_mask.assign(n_draft_vocab, 0.0f);
     n_lookup = 0;
 

@@ -120,7 +120,7 @@ LLAMA_API const float * llama_specee_exit_head_logits(struct llama_context * ctx
 //   candidates = vocab_map[top-k(head . g)]                                          head: [n_draft_vocab][n_embd]
 // h_prev is the hidden state the previous step left with (its exit layer, else the last layer); it
 // starts at zero. A token still waiting for its remaining layers (full mode) completes first.
-// returns 0, -1 without early exit, -2 for bad sizes, ids or type
+// returns 0, -1 without early exit, -2 for bad sizes, type, or ids (out of range or repeated)
 LLAMA_API int32_t llama_specee_set_draft(struct llama_context * ctx, int32_t type, int32_t n_draft_vocab,
         const float * w_embd, const float * w_hidden, const float * bias, const float * norm, float eps,
         const float * head, const int32_t * vocab_map);
@@ -153,7 +153,8 @@ LLAMA_API float   llama_specee_predictor_prob(struct llama_context * ctx, int32_
 
 // the exit rule the native path runs, on given inputs: checks of layers[0..n) in order, with
 // cand_logits[i*n_cand .. +n_cand] the i-th check's candidate logits and verified[i] whether that
-// layer's exit head would put a candidate first; uses the context's predictors and exits. returns 0
+// layer's exit head would put a candidate first; uses the context's predictors and exits. returns 0,
+// -1 without early exit, for a layer out of range or a NULL array
 LLAMA_API int32_t llama_specee_decide(struct llama_context * ctx, int32_t n, const int32_t * layers,
         const float * cand_logits, const uint8_t * verified, struct llama_specee_decision * out);
 
