@@ -15,3 +15,7 @@ class UnsupportedModelError(SpecEEError):
 
 class ContextFullError(SpecEEError):
     """The context window has no room for the tokens to decode."""
+
+
+class DecodeCancelled(SpecEEError):
+    """A decode was cancelled between its batches (the tokens decoded so far stay in the cache)."""

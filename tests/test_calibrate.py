@@ -137,6 +137,8 @@ def test_split_is_a_partition():
 def test_draft_vocabulary_orders_by_frequency_then_ids():
     vocab = draft_vocabulary(np.array([7, 7, 7, 3, 3, 9]), 5, 20)
     assert vocab.tolist() == [7, 3, 9, 0, 1]
+    # end-of-generation tokens come first, however rare: a head-free exit can only emit what the draft proposes
+    assert draft_vocabulary(np.array([7, 7, 7, 3, 3, 9]), 5, 20, required=[19, 3]).tolist() == [3, 19, 7, 9, 0]
 
 
 def test_features_match_the_definition():

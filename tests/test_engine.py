@@ -8,10 +8,11 @@ from llama_cpp import Llama
 
 from specee_edge.engine import GREEDY, Engine, EngineConfig, SamplingParams
 from specee_edge.engine.exit import SHIPPED_PACKS, find_pack
-from specee_edge.engine.sampling import sample
+from specee_edge.engine.sampling import apply_penalties, masks_every_token, sample, token_logprobs
 from specee_edge.engine.stops import StopMatcher
 from specee_edge.errors import ContextFullError, SpecEEError
-from specee_edge.pack import PackMismatchError, read_pack
+from specee_edge.exits import ExitKind
+from specee_edge.pack import PackMismatchError, read_pack, write_pack
 from specee_edge.runtime import Context
 from tests.conftest import CHAT_PROMPT, exiting_quality
 
@@ -172,14 +173,94 @@ def test_next_turn_reuses_the_cache(engine, monkeypatch):
     decoded: list[int] = []
     decode = engine.ctx.decode
 
-    def counting_decode(tokens):
+    def counting_decode(tokens, **kwargs):
         decoded.extend(tokens)
-        return decode(tokens)
+        return decode(tokens, **kwargs)
 
     monkeypatch.setattr(engine.ctx, "decode", counting_decode)
     second = engine.generate(prompt, max_tokens=16, sampling=GREEDY)
     # what the cache lacked, then each generated token but the last (which is never fed back)
     assert decoded == prompt[n_common:] + second.tokens[:-1]
+
+
+def first_approximate_position(prompt: list[int], records, n_layer: int) -> int | None:
+    """The cache position of the first token whose step left before the last layer (its cell's upper layers
+    filled or masked)."""
+    return next((len(prompt) + i - 1 for i, r in enumerate(records)
+                 if r.exit_layer is not None and r.exit_layer < n_layer - 1), None)
+
+
+def test_a_next_turn_reuses_only_the_cells_computed_in_full(default_model):
+    """A reply decoded at an exiting level leaves cells whose upper layers were masked (or filled): the next turn
+    decodes again from the first of them, so its K/V are what a fresh request would compute."""
+    # a low threshold everywhere: the shipped level leaves at the last layer only, which skips no layer
+    engine = Engine(default_model.info.path, config=EngineConfig(n_ctx=1024, n_threads=2, kv_mode="mask", threshold=0.2))
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    first_prompt = chat_tokens(engine, QUESTIONS[0])
+    records = list(engine.stream(first_prompt, max_tokens=48, sampling=GREEDY))
+    shallow = first_approximate_position(first_prompt, records, engine.n_layer)
+    assert shallow is not None and engine.ctx.cell_depth(shallow) < engine.n_layer - 1
+    messages += [{"role": "assistant", "content": "".join(r.text for r in records)}, {"role": "user", "content": "Shorter?"}]
+    prompt = engine.tokenize(engine.format_chat(messages))
+    list(engine.stream(prompt, max_tokens=1, sampling=GREEDY))  # the prompt's logits only: no step yet
+    assert len(first_prompt) <= engine.stats.n_cached <= shallow
+    assert [engine.ctx.cell_depth(pos) for pos in range(len(prompt))] == [engine.n_layer - 1] * len(prompt)
+    engine.close()
+
+
+def test_a_prompt_with_a_bos_of_its_own_gets_no_second(tiny_dir):
+    from specee_edge.chat_templates import named_template
+    from tests.conftest import tiny_model_path
+    from tests.tiny_gguf import BOS_ID
+
+    engine = Engine(tiny_model_path(tiny_dir, "llama"), pack=None, config=EngineConfig(n_ctx=128, n_threads=1))
+    assert engine.model.adds_bos  # the tiny model asks for a BOS, as Gemma and Llama 3 do
+    text = engine.format_chat([{"role": "user", "content": "hi"}], named_template("llama3"))  # writes {{ bos_token }}
+    tokens = engine.tokenize(text)
+    assert tokens[0] == BOS_ID and tokens[1] != BOS_ID
+    assert engine.tokenize("hi")[0] == BOS_ID  # a prompt without one still gets it
+    engine.close()
+
+
+def test_a_prefill_can_be_cancelled_between_batches(default_model):
+    engine = Engine(default_model.info.path, config=EngineConfig(n_ctx=512, n_batch=32, n_threads=2))
+    prompt = engine.tokenize("word " * 100)
+    asked: list[int] = []
+
+    def cancel() -> bool:
+        asked.append(engine.ctx.n_past)
+        return len(asked) == 2  # after the second batch
+
+    assert list(engine.stream(prompt, max_tokens=8, sampling=GREEDY, cancel=cancel)) == []
+    assert engine.stats.finish_reason == "interrupted" and asked == [32, 64]
+    assert engine.cached_tokens == prompt[:64]  # what was decoded stays, consistently
+    out = engine.generate(prompt, max_tokens=4, sampling=GREEDY)
+    assert out.stats.n_cached == 64 and len(out.tokens) == 4
+    engine.close()
+
+
+def test_logit_bias_and_logprobs_at_head_free_exits(engine):
+    """A bias that bans every candidate of a head-free exit falls back to the exit layer's full head; logprobs
+    always come from a full head, never from the 4 candidates alone."""
+    engine.set_quality(EXIT_QUALITY)
+    try:
+        engine.reset()
+        banned = {int(t): -np.inf for t in engine.policy.pack.draft.vocab_map if not engine.model.is_eog(int(t))}
+        prompt = chat_tokens(engine, QUESTIONS[0])
+        records = list(engine.stream(prompt, max_tokens=24, sampling=SamplingParams(temperature=0.0, logit_bias=banned),
+                                     logprobs=3))
+        assert not any(r.id in banned for r in records)
+        engine.reset()
+        records = list(engine.stream(prompt, max_tokens=24, sampling=GREEDY, logprobs=8))
+        assert any(r.exit_kind == ExitKind.HEAD_FREE for r in records)
+        for r in records:
+            # eight finite log-probabilities: the candidates' logits alone would give four and -inf
+            assert len(r.logprobs.top) == 8 and np.isfinite([r.logprobs.logprob, *(lp for _, lp in r.logprobs.top)]).all()
+            assert sum(np.exp(lp) for _, lp in r.logprobs.top) <= 1.0 + 1e-6
+            if r.exit_layer is None:  # greedy through every layer: the token is the most likely one
+                assert r.logprobs.top[0][0] == r.id
+    finally:
+        engine.set_quality(None)
 
 
 def test_full_context(default_model):
@@ -201,6 +282,16 @@ def test_pack_for_another_model_is_refused(tiny_dir):
         Engine(tiny, pack=SHIPPED_PACK)
 
 
+def test_a_pack_whose_draft_cannot_end_a_reply_is_refused(default_model, tmp_path):
+    pack = read_pack(SHIPPED_PACK)
+    eog = default_model.eog_tokens()
+    unused = iter(sorted(set(range(default_model.info.n_vocab)) - set(pack.draft.vocab_map.tolist())))
+    pack.draft.vocab_map = np.array([next(unused) if t in eog else t for t in pack.draft.vocab_map.tolist()])
+    path = write_pack(tmp_path / "no-eos.specee.gguf", pack, draft_quant=pack.draft.quant)
+    with pytest.raises(SpecEEError, match=r"lacks the model's end-of-generation tokens \[0, 2"):
+        Engine(default_model.info.path, pack=path)
+
+
 def test_sampling_filters():
     rng = np.random.default_rng(0)
     logits = np.array([5.0, 4.9, 1.0, -3.0], dtype=np.float32)
@@ -211,6 +302,61 @@ def test_sampling_filters():
     assert {sample(logits, min_p, rng) for _ in range(50)} == {0, 1}
     # a repeated token is penalized below its rival
     assert sample(logits, SamplingParams(temperature=0.0, repeat_penalty=1.5), rng, history=[0]) == 1
+
+
+def test_penalties_and_logit_bias_follow_llama_cpp():
+    logits = np.array([2.0, -1.0, 0.5, 0.0], dtype=np.float32)
+    params = SamplingParams(repeat_penalty=2.0, frequency_penalty=0.25, presence_penalty=0.5)
+    # token 0 seen twice, token 1 once: divided (multiplied when negative), less count * 0.25 + 0.5
+    np.testing.assert_allclose(apply_penalties(logits, [0, 1, 0], params), [2 / 2 - 0.5 - 0.5, -2 - 0.25 - 0.5, 0.5, 0])
+    assert list(apply_penalties(logits, [0, 1, 0], SamplingParams(repeat_last_n=1, presence_penalty=1.0))) == [1, -1, 0.5, 0]
+    rng = np.random.default_rng(0)
+    assert sample(logits, SamplingParams(temperature=0.0, logit_bias={2: 5.0}), rng) == 2
+    banned = SamplingParams(temperature=0.0, logit_bias={0: -np.inf})
+    assert sample(logits, banned, rng) == 2
+    head_free = np.full(4, -np.inf, np.float32)
+    head_free[[0, 3]] = [1.0, 0.5]  # a head-free exit's logits: the candidates' only
+    assert masks_every_token(head_free, SamplingParams(logit_bias={0: -np.inf, 3: -np.inf}))
+    assert not masks_every_token(head_free, SamplingParams(logit_bias={0: -np.inf}))
+    with pytest.raises(SpecEEError, match="bans every token"):
+        sample(head_free, SamplingParams(logit_bias={0: -np.inf, 3: -np.inf}), rng)
+
+
+def test_logprobs_are_the_full_distribution():
+    logits = np.array([2.0, 1.0, 0.0, -30.0], dtype=np.float32)
+    lp = token_logprobs(logits, 1, 2)
+    expected = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum())
+    assert lp.logprob == pytest.approx(expected[1])
+    assert [t for t, _ in lp.top] == [0, 1] and lp.top[0][1] == pytest.approx(expected[0])
+    assert token_logprobs(logits, 3, 0).top == [] and np.isfinite(token_logprobs(logits, 3, 0).logprob)
+
+
+def _naive_stops(stops: list[str], pieces: list[str]) -> tuple[str, bool]:
+    """What a stop matcher must show: the text up to the first stop string to end, or all of it."""
+    text = ""
+    for piece in pieces:
+        for i in range(len(piece)):
+            text += piece[i]
+            ends = [len(text) - len(s) for s in stops if text.endswith(s)]
+            if ends:
+                return text[: min(ends)], True
+    return text, False
+
+
+def test_stop_matcher_agrees_with_a_naive_search():
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        stops = ["".join(rng.choice(list("ab#"), rng.integers(1, 6))) for _ in range(rng.integers(1, 4))]
+        pieces = ["".join(rng.choice(list("ab#c"), rng.integers(0, 5))) for _ in range(rng.integers(1, 12))]
+        m, shown, stopped = StopMatcher(stops), "", False
+        for piece in pieces:
+            text, stopped = m.feed(piece)
+            shown += text
+            if stopped:
+                break
+        if not stopped:
+            shown += m.flush()
+        assert (shown, stopped) == _naive_stops(stops, pieces), (stops, pieces)
 
 
 def test_stop_matcher_holds_back_partial_matches():

@@ -11,6 +11,7 @@ stays good after an early exit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import gguf
@@ -54,10 +55,13 @@ class DraftReport:
     by_category: dict[str, SourceRecall] = field(default_factory=dict)
 
 
-def draft_vocabulary(next_tokens: np.ndarray, size: int, n_vocab: int) -> np.ndarray:
-    """The `size` most frequent next tokens, topped up with the lowest ids (BPE's earliest merges)."""
+def draft_vocabulary(next_tokens: np.ndarray, size: int, n_vocab: int, required: Sequence[int] = ()) -> np.ndarray:
+    """`required` (the model's end-of-generation tokens: a head-free exit can emit only what the draft
+    proposes), then the most frequent next tokens, topped up with the lowest ids (BPE's earliest merges)."""
+    required = np.unique(np.asarray(required, dtype=np.int64))
     ids, counts = np.unique(next_tokens, return_counts=True)
-    chosen = ids[np.argsort(-counts, kind="stable")][:size]
+    frequent = ids[np.argsort(-counts, kind="stable")]
+    chosen = np.concatenate([required, frequent[~np.isin(frequent, required)]])[:max(size, len(required))]
     rest = np.setdiff1d(np.arange(n_vocab), chosen)[: size - len(chosen)]
     return np.concatenate([chosen, rest]).astype(np.int32)
 
@@ -68,8 +72,10 @@ def quantized(array: np.ndarray, qtype=gguf.GGMLQuantizationType.Q8_0) -> np.nda
 
 
 def fit_draft(ds: Dataset, weights: TargetWeights, train: np.ndarray, test: np.ndarray, *, k: int, vocab: int,
-              lookup: np.ndarray, categories: np.ndarray, ridge: float = DRAFT_RIDGE) -> tuple[DraftHead, DraftReport]:
-    """lookup: every row's prompt-lookup candidate (-1: none); categories: every row's prompt category."""
+              lookup: np.ndarray, categories: np.ndarray, eog_tokens: Sequence[int],
+              ridge: float = DRAFT_RIDGE) -> tuple[DraftHead, DraftReport]:
+    """lookup: every row's prompt-lookup candidate (-1: none); categories: every row's prompt category;
+    eog_tokens: the model's end-of-generation tokens, always in the draft vocabulary."""
     gamma, eps = weights.output_norm, weights.rms_eps
     tokens = np.unique(ds.token)
     embedding = dict(zip(tokens.tolist(), weights.embeddings(tokens)))
@@ -88,7 +94,7 @@ def fit_draft(ds: Dataset, weights: TargetWeights, train: np.ndarray, test: np.n
     w = np.linalg.solve(x.T @ x + reg, x.T @ y).T.astype(np.float32)  # [n_embd, 2 n_embd + 1]
     del y
 
-    vocab_map = draft_vocabulary(ds.final[train], vocab, weights.lm_head.shape[0])
+    vocab_map = draft_vocabulary(ds.final[train], vocab, weights.lm_head.shape[0], eog_tokens)
     head_rows = quantized(weights.lm_head[vocab_map])
     position = {int(t): i for i, t in enumerate(vocab_map)}
     targets = np.array([position.get(int(t), -1) for t in ds.final[np.concatenate([train, exited])]], dtype=np.int64)

@@ -227,7 +227,8 @@ class Calibration:
             advance = stage("draft head", 1)
             t0 = time.perf_counter()
             head, draft_report = fit_draft(ds, weights, train, test, k=config.k, vocab=config.draft_vocab,
-                                           lookup=lookup, categories=categories, ridge=config.draft_ridge)
+                                           lookup=lookup, categories=categories,
+                                           eog_tokens=Model(config.model).eog_tokens(), ridge=config.draft_ridge)
             draft = LinearDraft(head, weights, config.k)
             self.seconds["draft"] = time.perf_counter() - t0
             advance()

@@ -26,9 +26,9 @@ from specee_edge.default_model import default_model_path
 from specee_edge.draft.lookup import PromptLookup
 from specee_edge.engine.exit import ExitPolicy, find_pack
 from specee_edge.engine.records import GenerationStats, TokenRecord, TokenSource
-from specee_edge.engine.sampling import SamplingParams, sample
+from specee_edge.engine.sampling import Sampler, SamplingParams, masks_every_token
 from specee_edge.engine.stops import StopMatcher
-from specee_edge.errors import ContextFullError, SpecEEError, UnsupportedModelError
+from specee_edge.errors import ContextFullError, DecodeCancelled, SpecEEError, UnsupportedModelError
 from specee_edge.exits import ExitKind
 from specee_edge.registry import entry_for_file
 from specee_edge.runtime import Context, Model
@@ -39,7 +39,6 @@ from specee_edge.threads import default_threads
 # what `mask` costs; models whose K/V cannot be rebuilt (fused or scaled projections) get mask.
 DEFAULT_KV_MODE = "fill"
 FALLBACK_KV_MODE = "mask"
-Draw = Callable[..., int]  # (logits, pending tokens=()) -> the next token, by the request's sampling
 
 AUTO = "auto"  # pack=AUTO: MODEL.specee.gguf beside the model, else a shipped pack in models/
 
@@ -84,7 +83,8 @@ class Engine:
         self.n_layer = self.model.info.n_layer
         self.pack_path = find_pack(model_path) if pack == AUTO else (Path(pack) if pack is not None else None)
         self.policy = (ExitPolicy.load(self.pack_path, model_path, quality=self.config.quality,
-                                       threshold=self.config.threshold, native=self.config.native)
+                                       threshold=self.config.threshold, native=self.config.native,
+                                       eog_tokens=self.model.eog_tokens())
                        if self.pack_path else None)
         self.ctx = Context(self.model, n_ctx=self.config.n_ctx, n_batch=self.config.n_batch,
                            n_threads=self.config.n_threads)
@@ -98,6 +98,8 @@ class Engine:
             self.policy.set_active(self.early_exit)
         # the tokens whose K/V are in the cache, in order, indexed for prompt lookup if the pack uses it
         self._history = PromptLookup(self.policy.pack.lookup_max_n if self.policy else 0)
+        # the first cache position whose K/V an early exit left approximate (filled or masked layers), if any
+        self._approximate_from: int | None = None
         self._last_step: StepInfo | None = None  # what the last decode did (None: no early exit in it)
         self.stats = GenerationStats(self.n_layer, self.early_exit)
         # what the registry says of a model its GGUF does not: a template where it has none, base models
@@ -140,16 +142,23 @@ class Engine:
         self.ctx.decode([token])           # draft -> layers -> probe -> predictor -> verify -> KV, in llama_decode
         t1 = time.perf_counter()
         step = self._last_step = self.policy.end_token()  # exit, candidates; the online schedule learns it
+        # a cell the exit left short of the last layer (full mode runs the skipped layers later)
+        if (step.exit_layer is not None and step.exit_layer < self.n_layer - 1 and self.kv_mode != "full"
+                and self._approximate_from is None):
+            self._approximate_from = len(self._history) - 1
         return TokenRecord(-1, "", step.exit_layer, step.probes, step.verify_failures, None,
                            exit_kind=step.exit_kind, candidates=step.candidates,
                            source=TokenSource.FULL if step.exit_layer is None else TokenSource.EXIT,
                            draft_ms=step.draft_ms, forward_ms=(t1 - t0) * 1e3,
                            predictor_ms=step.predictor_ms, verify_ms=step.verify_ms)
 
-    def _prefill(self, tokens: list[int]) -> int:
+    def _prefill(self, tokens: list[int], cancel: Callable[[], bool] | None = None) -> int:
         """Make the cache hold `tokens`, decoding only what it lacks; logits for the last one. Returns how
-        many of them the cache already held.
+        many of them the cache already held. `cancel` is asked between batches of n_batch tokens.
 
+        Cached cells are reused only up to the first that an early exit left approximate: from there on the
+        prompt is decoded again, through every layer, as a fresh request would be. (Reuse still differs from
+        a fresh prefill in the last bits: a batch and single-token steps run different kernels.)
         What is decoded is a batch of at least two tokens (one cached token more when only one is new,
         as after /regen): batches never exit early, whereas a single token is a step like any other.
         """
@@ -159,19 +168,27 @@ class Engine:
             if a != b:
                 break
             n_common += 1
+        if self._approximate_from is not None:
+            n_common = min(n_common, self._approximate_from)
         n_common = min(n_common, max(len(tokens) - 2, 0))
-        if n_common < len(cached):
-            self.ctx.truncate(n_common)
-            self._history.truncate(n_common)
+        self._truncate(n_common)
         batch = tokens[n_common:]
         if self.early_exit:
             # with probe layers set, the batch's graph leaves its last hidden state where the first
             # draft reads it; a one-token prompt is decoded without them (its first draft reads zeros)
             self.policy.begin_prompt(probes=len(batch) > 1)
         self._history.extend(batch)
-        self.ctx.decode(batch)
+        self.ctx.decode(batch, cancel=cancel)
         self._last_step = None
         return n_common
+
+    def _truncate(self, n_keep: int) -> None:
+        """Forget every position from `n_keep` on, in the cache and in the history."""
+        if n_keep < self.ctx.n_past:
+            self.ctx.truncate(n_keep)
+        self._history.truncate(n_keep)
+        if self._approximate_from is not None and self._approximate_from >= n_keep:
+            self._approximate_from = None
 
     def temperature(self) -> float:
         """What the last step's logits are divided by: its exit layer's calibrated temperature (1 without an exit)."""
@@ -197,12 +214,21 @@ class Engine:
     # --- generation ------------------------------------------------------------------------
 
     def tokenize(self, text: str) -> list[int]:
-        return self.model.tokenize(text, add_special=True, parse_special=True)
+        """`text`'s tokens, with the BOS the model asks for. A chat template that writes the BOS itself (Gemma's,
+        Llama 3's) would get a second one: it is dropped, so a prompt never starts with two."""
+        tokens = self.model.tokenize(text, add_special=True, parse_special=True)
+        bos = self.model.bos
+        if len(tokens) >= 2 and tokens[0] == tokens[1] == bos and self.model.adds_bos:
+            del tokens[0]
+        return tokens
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams | None = None,
-               stop: Sequence[str] = ()) -> Iterator[TokenRecord]:
+               stop: Sequence[str] = (), logprobs: int | None = None,
+               cancel: Callable[[], bool] | None = None) -> Iterator[TokenRecord]:
         """Generate up to max_tokens after `prompt`, one record per token; self.stats follows along.
 
+        logprobs: each record gets its token's log-probability and the `logprobs` most likely tokens'.
+        cancel: asked between the prompt's batches; when it answers True the stream ends with no token.
         Closing the generator early (or Ctrl+C) leaves the engine consistent and usable. numpy's BLAS
         runs single-threaded meanwhile: its spinning worker threads would fight llama.cpp's OpenMP
         threads for the cores (measured: up to 100x slower tokens on 2 cores).
@@ -219,31 +245,29 @@ class Engine:
                 " (use a larger -c/--ctx-size or a shorter prompt)"
             )
         with threadpool_limits(limits=1, user_api="blas"):
-            yield from self._stream(tokens, max_tokens, sampling, stop)
+            yield from self._stream(tokens, max_tokens, Sampler(sampling, tokens, logprobs), stop, cancel)
 
     @property
     def exact(self) -> bool:
         """Exact mode: early exits draft tokens that the full model verifies in batches (the pack's exact level)."""
         return self.early_exit and self.policy.max_draft > 0
 
-    def _stream(self, tokens: list[int], max_tokens: int, sampling: SamplingParams,
-                stop: Sequence[str]) -> Iterator[TokenRecord]:
-        rng = np.random.default_rng(sampling.seed)
+    def _stream(self, tokens: list[int], max_tokens: int, draw: Sampler, stop: Sequence[str],
+                cancel: Callable[[], bool] | None) -> Iterator[TokenRecord]:
         stats = self.stats = GenerationStats(self.n_layer, self.early_exit, n_prompt=len(tokens))
         stops = StopMatcher(stop)
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        history = list(tokens)  # the prompt and the reply so far: the repeat penalty's window
-
-        def draw(logits: np.ndarray, pending: Sequence[int] = ()) -> int:
-            """The next token from `logits`, `pending` tokens after the reply so far."""
-            return sample(logits, sampling, rng, [*history, *pending] if pending else history)
-
+        history = draw.history  # the prompt and the reply so far (the penalties' window)
         source: Iterator[TokenRecord] | None = None
         n_emitted = 0
         try:
             t0 = time.perf_counter()
-            stats.n_cached = self._prefill(tokens)
-            source = (self._exact_records(draw, max_tokens) if self.drafts(sampling) else
+            try:
+                stats.n_cached = self._prefill(tokens, cancel)
+            except DecodeCancelled:
+                stats.finish_reason = "interrupted"
+                return
+            source = (self._exact_records(draw, max_tokens) if self.drafts(draw.params) else
                       self._plain_records(draw, exits=not self.exact))
             for n in range(max_tokens):
                 record = next(source)
@@ -290,24 +314,26 @@ class Engine:
     def _sync_cache(self, limit: int) -> None:
         """Keep at most `limit` tokens in the cache, and after an interruption only what both the cache and
         the history hold (they may disagree by the decode that was cut short)."""
-        n = min(self.ctx.n_past, len(self._history), limit)
-        if self.ctx.n_past != n:
-            self.ctx.truncate(n)
-        self._history.truncate(n)
+        self._truncate(min(self.ctx.n_past, len(self._history), limit))
 
     def drafts(self, sampling: SamplingParams) -> bool:
         """Exact mode drafts for this request: its level measured drafting faster for this kind of decoding (else
         exact mode decodes plainly)."""
         return self.exact and self.policy.level.drafts(sampling.greedy)
 
-    def _plain_records(self, draw: Draw, exits: bool = True) -> Iterator[TokenRecord]:
+    def _plain_records(self, draw: Sampler, exits: bool = True) -> Iterator[TokenRecord]:
         """One token a step: drawn from the last step's logits, then decoded (a lossy level's exits are the answer;
         exits=False: every token runs every layer)."""
         record = TokenRecord(-1, "", None, 0, 0, None)  # the first token comes from the prompt's logits
         while True:
             t_sample = time.perf_counter()
-            token = record.id = draw(self.logits())
+            logits = self.logits()
+            if masks_every_token(logits, draw.params):  # a head-free exit whose candidates the bias bans
+                logits = self.full_logits()
+            token = record.id = draw(logits)
             record.sample_ms = (time.perf_counter() - t_sample) * 1e3
+            if draw.n_logprobs is not None:  # the model's distribution, never the candidates' alone
+                record.logprobs = draw.logprobs(self.full_logits(), token)
             if record.candidates:  # the step had candidates (a graph without them reports none)
                 record.draft_hit = token in record.candidates
                 lookup = self.policy.lookup  # None, or not used when the step's graph had no draft
@@ -317,11 +343,13 @@ class Engine:
 
     # --- exact mode ------------------------------------------------------------------------
 
-    def _exact_records(self, draw: Draw, max_tokens: int) -> Iterator[TokenRecord]:
+    def _exact_records(self, draw: Sampler, max_tokens: int) -> Iterator[TokenRecord]:
         """Exact mode: rounds of drafts that the full model verifies; every emitted token is its own."""
         t_sample = time.perf_counter()
-        token = draw(self.logits())  # the prompt's logits are the full model's
-        yield TokenRecord(token, "", None, 0, 0, None, sample_ms=(time.perf_counter() - t_sample) * 1e3)
+        logits = self.logits()  # the prompt's logits are the full model's
+        token = draw(logits)
+        yield TokenRecord(token, "", None, 0, 0, None, sample_ms=(time.perf_counter() - t_sample) * 1e3,
+                          logprobs=draw.logprobs(logits, token))
         n_emitted = 1
         while True:
             for record in self._round(token, draw, max_tokens - n_emitted):
@@ -329,7 +357,7 @@ class Engine:
                 token = record.id
                 yield record
 
-    def _round(self, token: int, draw: Draw, budget: int) -> list[TokenRecord]:
+    def _round(self, token: int, draw: Sampler, budget: int) -> list[TokenRecord]:
         """One round after `token`, the last emitted token (not in the cache yet): draft while the tokens
         exit early, verify the drafts in one batch, keep what the full model accepts. Returns the records of
         the tokens it emits (at least one; at most `budget` unless the budget is spent).
@@ -352,8 +380,10 @@ class Engine:
             steps.append(step)
             if step.exit_layer is None and not drafts:  # the full model's own step: no round
                 t_sample = time.perf_counter()
-                step.id = draw(self.logits())
+                logits = self.logits()
+                step.id = draw(logits)
                 step.sample_ms = (time.perf_counter() - t_sample) * 1e3
+                step.logprobs = draw.logprobs(logits, step.id)
                 return [step]
             logits = self.ctx.logits()
             drafts.append(int(np.argmax(logits)))
@@ -365,7 +395,7 @@ class Engine:
             feed = drafts[-1]
         return self._verify(p, token, drafts, steps, draw)
 
-    def _verify(self, p: int, token: int, drafts: list[int], steps: list[TokenRecord], draw: Draw) -> list[TokenRecord]:
+    def _verify(self, p: int, token: int, drafts: list[int], steps: list[TokenRecord], draw: Sampler) -> list[TokenRecord]:
         """Run [token, draft_1 .. draft_m] through every layer at positions p .. p + m, with logits for each
         row: row i is the full model's distribution after draft_i. Its own token is drawn at each row and the
         draft accepted while they are equal; the first that differs is emitted instead (a correction), and a
@@ -376,8 +406,7 @@ class Engine:
         # an EOS draft needs no row after it: the reply ends there if it is accepted
         batch = [token, *drafts] if not self.model.is_eog(drafts[-1]) else [token, *drafts[:-1]]
         # the drafted cells are shallow (their skipped layers filled or masked): drop them and recompute
-        self.ctx.truncate(p)
-        self._history.truncate(p)
+        self._truncate(p)
         self.policy.begin_verify()   # the batch's graph keeps the draft head, which keeps every output row
         self._history.extend(batch)  # before the decode: an interrupted one is undone by _sync_cache
         self.ctx.decode(batch, output_all=True)
@@ -386,24 +415,25 @@ class Engine:
         emitted: list[int] = []
         records: list[TokenRecord] = []
         for row in range(len(batch)):
-            t = draw(self.ctx.logits(row), emitted)
+            logits = self.ctx.logits(row)
+            t = draw(logits, emitted)
             emitted.append(t)
             if row < len(drafts) and t == drafts[row]:
                 record = steps[row]  # the draft's own step: its exit layer, probes and time
                 record.id, record.source = t, TokenSource.ACCEPTED
+                record.logprobs = draw.logprobs(logits, t)
                 records.append(record)
                 if self.model.is_eog(t):
                     break
                 continue
             source = TokenSource.BONUS if row == len(drafts) else TokenSource.CORRECTION
-            records.append(TokenRecord(t, "", None, 0, 0, None, source=source))
+            records.append(TokenRecord(t, "", None, 0, 0, None, source=source, logprobs=draw.logprobs(logits, t)))
             break
         # the cache keeps `token` and every emitted token but the last; the next draft reads the hidden
         # state of the row that emitted that one
         n_keep = p + len(emitted)
         if n_keep < self.ctx.n_past:
-            self.ctx.truncate(n_keep)
-            self._history.truncate(n_keep)
+            self._truncate(n_keep)
             self.ctx.draft_from_row(len(emitted) - 1)
         first = records[0]
         first.round_drafts = len(drafts)
@@ -459,6 +489,7 @@ class Engine:
         """Forget the conversation: clear the KV cache."""
         self.ctx.clear()
         self._history.clear()
+        self._approximate_from = None
 
     def close(self) -> None:
         """Free the native context and model now, and let go of the pack (and the target's memory map its

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,12 +63,17 @@ class ExitPolicy:
 
     @classmethod
     def load(cls, pack_path: Path, model_path: Path, *, quality: float | None = None, threshold: float | None = None,
-             native: bool = True) -> ExitPolicy:
+             native: bool = True, eog_tokens: Sequence[int] = ()) -> ExitPolicy:
+        """eog_tokens: the model's end-of-generation tokens, which the draft vocabulary must hold (a head-free
+        exit chooses among the draft's candidates: without them it could never end a reply)."""
         pack = read_pack(pack_path)
         weights = TargetWeights(model_path)
         check_target(pack.target, target_identity(model_path, weights.reader), pack_path, model_path)
         if pack.draft is None:
             raise SpecEEError(f"{pack_path.name} has no draft head: the engine needs one to propose candidates")
+        if missing := sorted(set(eog_tokens) - set(pack.draft.vocab_map.tolist())):
+            raise SpecEEError(f"{pack_path.name}: its draft vocabulary lacks the model's end-of-generation tokens"
+                              f" {missing}, so a head-free exit could never end a reply; calibrate the pack again")
         policy = cls(pack, pack_path, LinearDraft(pack.draft, weights, pack.k), pack.predictors,
                      pack.level(quality), threshold, native)
         policy._configure()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
+from specee_edge.engine.sampling import TokenLogprobs
 from specee_edge.exits import ExitKind
 
 
@@ -40,6 +41,7 @@ class TokenRecord:
     source: TokenSource = TokenSource.FULL
     round_drafts: int = 0      # exact mode, on the first token of a verified round: the drafts it checked
     batch_ms: float = 0.0      # exact mode, on the first token of a round: its verification batch
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @dataclass

@@ -1,27 +1,57 @@
-"""Stop strings in streamed text: hold back what could still become a stop string."""
+"""Stop strings in streamed text: hold back what could still become a stop string.
+
+Each stop string is matched by position, one character at a time (Knuth-Morris-Pratt): a token costs
+time in its own length times the number of stops, however long the stops are.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 
+def _failure(pattern: str) -> list[int]:
+    """fail[i]: the length of the longest proper prefix of pattern[:i + 1] that is also its suffix."""
+    fail = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = fail[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
 class StopMatcher:
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
-        self._held = ""
+        self._fail = [_failure(s) for s in self.stops]
+        self._matched = [0] * len(self.stops)  # how much of each stop the text ends with
+        self._held = ""  # the text not shown yet: as long as the longest partial match
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to show now, whether a stop string was reached; the stop string itself is dropped)."""
         held = self._held + text
-        for stop in self.stops:
-            i = held.find(stop)
-            if i >= 0:
-                self._held = ""
-                return held[:i], True
-        keep = max((n for stop in self.stops for n in range(1, len(stop)) if held.endswith(stop[:n])), default=0)
+        start = len(self._held)
+        for i, char in enumerate(text, start):
+            found = 0  # the longest stop string ending at this character: the one that starts first
+            for j, stop in enumerate(self.stops):
+                k = self._matched[j]
+                while k and stop[k] != char:
+                    k = self._fail[j][k - 1]
+                if stop[k] == char:
+                    k += 1
+                if k == len(stop):
+                    found, k = max(found, k), self._fail[j][k - 1]
+                self._matched[j] = k
+            if found:
+                self._held, self._matched = "", [0] * len(self.stops)
+                return held[: i + 1 - found], True
+        keep = max(self._matched, default=0)
         self._held = held[len(held) - keep :] if keep else ""
         return held[: len(held) - keep], False
 
     def flush(self) -> str:
         held, self._held = self._held, ""
+        self._matched = [0] * len(self.stops)
         return held

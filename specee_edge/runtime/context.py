@@ -15,7 +15,7 @@ import numpy as np
 from llama_cpp import llama_cpp as _llama
 
 from specee_edge.archs import SUPPORTED
-from specee_edge.errors import ContextFullError, SpecEEError, UnsupportedModelError
+from specee_edge.errors import ContextFullError, DecodeCancelled, SpecEEError, UnsupportedModelError
 from specee_edge.exits import ExitKind
 from specee_edge.runtime._bindings import C, KV_MODES, MAX_CANDIDATES, Decision, TokenInfo, probe_callback_t
 from specee_edge.runtime.model import Model
@@ -327,11 +327,14 @@ class Context:
     def n_past(self) -> int:
         return _llama.llama_memory_seq_pos_max(self._mem, SEQ) + 1
 
-    def decode(self, tokens: Sequence[int], *, output_all: bool = False) -> int | None:
+    def decode(self, tokens: Sequence[int], *, output_all: bool = False,
+               cancel: Callable[[], bool] | None = None) -> int | None:
         """Append `tokens`; logits for the last one (for each, with output_all).
 
         Returns the exit layer, or None for full depth. output_all also makes the last layer's
         hidden state exist for every token (llama.cpp otherwise prunes it to the output rows).
+        cancel: asked before each llama_decode of n_batch tokens after the first; True raises
+        DecodeCancelled, with the batches decoded so far in the cache.
         """
         if not tokens:
             raise SpecEEError("nothing to decode")
@@ -343,7 +346,9 @@ class Context:
         for t in tokens:
             if not 0 <= t < self.n_vocab:
                 raise SpecEEError(f"token id {t} is out of range [0, {self.n_vocab})")
-        for chunk in self._chunks(list(tokens)):
+        for i, chunk in enumerate(self._chunks(list(tokens))):
+            if i and cancel is not None and cancel():
+                raise DecodeCancelled(f"cancelled after {self.n_past} of the prompt's tokens")
             if output_all:
                 rc = self._decode_all(chunk, self.n_past)
             else:  # llama_batch_get_one asks for the logits of the chunk's last token

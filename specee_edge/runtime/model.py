@@ -81,6 +81,20 @@ class Model:
     def is_eog(self, token: int) -> bool:
         return bool(_llama.llama_vocab_is_eog(self._vocab, token))
 
+    def eog_tokens(self) -> list[int]:
+        """Every end-of-generation token of the vocabulary (EOS, end of turn, and the like)."""
+        n_vocab = _llama.llama_vocab_n_tokens(self._vocab)
+        return [t for t in range(n_vocab) if _llama.llama_vocab_is_eog(self._vocab, t)]
+
+    @property
+    def bos(self) -> int:
+        return _llama.llama_vocab_bos(self._vocab)
+
+    @property
+    def adds_bos(self) -> bool:
+        """Whether tokenizing with add_special puts a BOS first."""
+        return bool(_llama.llama_vocab_get_add_bos(self._vocab))
+
     def close(self) -> None:
         if getattr(self, "_model", None):
             _llama.llama_model_free(self._model)
