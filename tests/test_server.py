@@ -23,7 +23,7 @@ from openai import OpenAI
 
 from specee_edge.default_model import default_model_path
 from specee_edge.engine import GREEDY, Engine, EngineConfig
-from tests.conftest import exiting_quality
+from tests.conftest import LOOSE, exiting_quality, write_two_level_pack
 
 CLI = str(Path(sys.executable).with_name("specee-edge"))
 N_CTX = 1024
@@ -46,6 +46,7 @@ class Server:
     """`specee-edge serve` in a child process, stopped with Ctrl+C (SIGINT) as a user would."""
 
     def __init__(self, *args: str):
+        self.exits_mid_network = "--pack" in args  # exiting_server's level
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([CLI, "serve", "--port", str(self.port), "-c", str(N_CTX), "-t", "2", *args],
@@ -86,8 +87,35 @@ def server() -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> OpenAI:
+def exiting_server(tmp_path_factory) -> Iterator[Server]:
+    """A level whose tokens leave mid-network (threshold 0.3 on every layer): approximate cells in the cache."""
+    pack = write_two_level_pack(tmp_path_factory.mktemp("pack") / "two-levels.specee.gguf")
+    server = Server("--pack", str(pack), "--quality", f"{LOOSE:g}")
+    yield server
+    out = server.stop()
+    assert server.proc.returncode == 0 and "Traceback" not in out, out
+
+
+@pytest.fixture(scope="module", params=["default level", "exiting level"])
+def some_server(request) -> Server:
+    """The streaming, cache, concurrency and disconnect tests run at both."""
+    return request.getfixturevalue("server" if request.param == "default level" else "exiting_server")
+
+
+def client_of(server: Server) -> OpenAI:
     return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> OpenAI:
+    return client_of(server)
+
+
+def strict_json(text: str):
+    """JSON as the spec has it: NaN and Infinity (which Python's json accepts) are errors."""
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
 
 
 def ask(client: OpenAI, question: str, **kwargs):
@@ -105,8 +133,10 @@ def stream_text(client: OpenAI, question: str, max_tokens: int = 48) -> tuple[st
 def test_models_and_health(server: Server, client: OpenAI):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
-    by_file = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1.gguf", prompt="Hi", max_tokens=1)
-    assert by_file.model == MODEL  # the file's name is the model too
+    # one model is served, under any name a client hard-codes; the reply says which one answered
+    for name in ("SmolLM2-135M-Instruct.Q4_1.gguf", "gpt-4o"):
+        assert client.completions.create(model=name, prompt="Hi", max_tokens=1).model == MODEL
+        assert client.models.retrieve(name).id == MODEL
     specee = models[0].model_extra["specee"]
     assert specee["n_layer"] == 30 and specee["n_ctx"] == N_CTX and specee["quality_levels"]
     assert specee["depth_bands"][0]["first"] == 0 and specee["depth_bands"][-1]["last"] == 28
@@ -129,7 +159,8 @@ def test_chat_reply_is_the_engines_reply(client: OpenAI):
     assert figures["early_exit"] is True and 0 <= figures["exit_rate"] <= 1 and figures["decode_tok_s"] > 0
 
 
-def test_streamed_chat_equals_the_whole_reply(client: OpenAI):
+def test_streamed_chat_equals_the_whole_reply(some_server: Server):
+    client = client_of(some_server)
     whole = ask(client, QUESTIONS[1]).choices[0].message.content
     text, chunks = stream_text(client, QUESTIONS[1])
     assert text == whole
@@ -171,22 +202,36 @@ def test_sampling_with_a_seed_repeats(client: OpenAI):
     assert a == b
 
 
-def test_next_turn_reuses_the_cache(client: OpenAI):
-    first = ask(client, QUESTIONS[4])
+def test_next_turn_reuses_the_cache(some_server: Server):
+    """The next turn decodes only what the cache lacks, and what an early exit left approximate: reused cells
+    are the ones computed through every layer."""
+    client = client_of(some_server)
+    chunks = list(client.chat.completions.create(model=MODEL, temperature=0, max_tokens=48, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 messages=[{"role": "user", "content": QUESTIONS[4]}]))
+    n_prompt = chunks[-1].usage.prompt_tokens
+    tokens = [c for c in chunks if "exit_layer" in (c.model_extra.get("specee") or {})]
+    # token j's step decoded token j - 1: an exit there left that token's cell (position n_prompt + j - 1) approximate;
+    # an exit at the last layer (29) skips only the output head
+    shallow = next((n_prompt + j - 1 for j, c in enumerate(tokens)
+                    if c.model_extra["specee"]["exit_layer"] not in (None, 29)), None)
     messages = [{"role": "user", "content": QUESTIONS[4]},
-                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "assistant", "content": "".join(c.choices[0].delta.content for c in tokens)},
                 {"role": "user", "content": "And a cat?"}]
     second = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=8,
                                             messages=messages)
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached >= first.usage.prompt_tokens  # the whole first prompt, at least, was not decoded again
+    assert cached >= n_prompt  # the whole first prompt, at least, was not decoded again
+    if some_server.exits_mid_network:
+        assert shallow is not None and cached <= shallow
     other = ask(client, QUESTIONS[6], max_tokens=4)  # another conversation starts from an empty cache
     assert other.usage.prompt_tokens_details.cached_tokens == 0
 
 
-def test_a_disconnect_frees_the_engine(server: Server):
+def test_a_disconnect_frees_the_engine(some_server: Server):
     """A client that goes away mid-stream stops its generation: the engine makes at most a token or two more
     than the client read (those in flight), not the 800 it asked for."""
+    server = some_server
     before = server.wait_idle()["tokens_generated"]
     body = {"messages": [{"role": "user", "content": COUNTING}],
             "max_tokens": 800, "temperature": 0, "stream": True}
@@ -203,14 +248,33 @@ def test_a_disconnect_frees_the_engine(server: Server):
     assert ask(OpenAI(base_url=f"{server.url}/v1", api_key="x"), QUESTIONS[0], max_tokens=4).choices[0].message.content
 
 
-def test_eight_concurrent_streams_each_get_their_own_reply(client: OpenAI, server: Server):
-    alone = {q: stream_text(client, q, max_tokens=64)[0] for q in QUESTIONS}
+def test_a_client_gone_before_its_stream_starts_costs_no_tokens(server: Server):
+    """A request still queued (or in its prompt) when its client goes is dropped: it generates nothing."""
+    before = server.wait_idle()["tokens_generated"]
+    busy = {"messages": [{"role": "user", "content": COUNTING}], "max_tokens": 60, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=busy, timeout=60) as running:
+        lines = running.iter_lines()
+        next(lines)  # the engine is on this one
+        # a raw socket: httpx would wait for the response headers, which come with the first token
+        body = json.dumps(busy | {"max_tokens": 400}).encode()
+        with socket.create_connection(("127.0.0.1", server.port)) as gone:
+            gone.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            time.sleep(0.5)  # queued behind the first, then gone
+        read = sum(1 for line in lines if line.startswith("data: ") and '"content"' in line)
+    after = server.wait_idle()["tokens_generated"]
+    assert after - before <= read + 2, f"the dropped request generated {after - before - read} tokens"
+
+
+def test_eight_concurrent_streams_each_get_their_own_reply(some_server: Server):
+    client = client_of(some_server)
+    alone = {q: stream_text(client, q, max_tokens=32)[0] for q in QUESTIONS}
     results: dict[str, str] = {}
     errors: list[BaseException] = []
 
     def run(question: str) -> None:
         try:
-            results[question] = stream_text(client, question, max_tokens=64)[0]
+            results[question] = stream_text(client, question, max_tokens=32)[0]
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -221,7 +285,60 @@ def test_eight_concurrent_streams_each_get_their_own_reply(client: OpenAI, serve
         t.join(timeout=300)
     assert not errors, errors
     assert results == alone
-    assert server.wait_idle()["queued"] == 0
+    assert some_server.wait_idle()["queued"] == 0
+
+
+def test_openai_fields_are_honoured(server: Server, client: OpenAI):
+    # null is the default; max_completion_tokens wins over max_tokens; seed -1 is llama.cpp's "random"
+    body = {"messages": [{"role": "user", "content": QUESTIONS[0]}], "temperature": None, "top_p": None, "n": None,
+            "stream": None, "seed": -1, "max_tokens": 40, "max_completion_tokens": 3, "tools": [], "tool_choice": None,
+            "response_format": {"type": "text"}}
+    reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 3
+    # a tool's result is a message like any other, as the template renders it
+    tool = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": None},
+            {"role": "tool", "content": "4", "tool_call_id": "call_1"}]
+    assert client.chat.completions.create(model=MODEL, messages=tool, max_tokens=2).choices[0].message.content is not None
+    # logit_bias: -100 bans, even at a head-free exit's candidates
+    plain = ask(client, QUESTIONS[0], max_tokens=6, logprobs=True)
+    first = plain.choices[0].logprobs.content[0]
+    banned = ask(client, QUESTIONS[0], max_tokens=6, logprobs=True,
+                 logit_bias={str(t): -100 for t in tokens_of(server, first.token)})
+    assert banned.choices[0].logprobs.content[0].token != first.token
+    # the penalties change a repetitive reply
+    counting = ask(client, COUNTING, max_tokens=32).choices[0].message.content
+    assert ask(client, COUNTING, max_tokens=32, frequency_penalty=2.0, presence_penalty=1.0).choices[0].message.content != counting
+
+
+def tokens_of(server: Server, text: str) -> list[int]:
+    """The ids the tokenizer gives `text` (from the engine in this process: the server has no tokenize route)."""
+    from specee_edge.runtime import Model
+    return Model(default_model_path()).tokenize(text, add_special=False)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_come_from_the_full_distribution(some_server: Server, stream: bool):
+    """Chat and completions logprobs, whole and streamed: finite (JSON has no -Infinity), sorted, and over the
+    whole vocabulary (at a head-free exit too, whose candidates are only 4: top-8 would then hold -inf)."""
+    chat = {"messages": [{"role": "user", "content": QUESTIONS[1]}], "max_tokens": 16, "temperature": 0,
+            "logprobs": True, "top_logprobs": 8, "stream": stream}
+    legacy = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "logprobs": 5, "stream": stream}
+    for route, body in (("chat/completions", chat), ("completions", legacy)):
+        text = httpx.post(f"{some_server.url}/v1/{route}", json=body, timeout=60).text
+        objects = ([strict_json(line[6:]) for line in text.splitlines() if line.startswith("data: {")] if stream
+                   else [strict_json(text)])
+        logprobs = [o["choices"][0]["logprobs"] for o in objects if o["choices"] and o["choices"][0].get("logprobs")]
+        if route == "chat/completions":
+            entries = [e for lp in logprobs for e in lp["content"]]
+            assert len(entries) == 16
+            for e in entries:
+                tops = [t["logprob"] for t in e["top_logprobs"]]
+                assert len(tops) == 8 and tops == sorted(tops, reverse=True) and all(v > -1000 for v in tops)
+                assert bytes(e["bytes"]).decode(errors="replace") == e["token"]
+        else:
+            assert sum(len(lp["tokens"]) for lp in logprobs) == 8
+            assert all(len(top) <= 5 for lp in logprobs for top in lp["top_logprobs"])
 
 
 # --- bad input: an OpenAI error object with the right status, and the server goes on ---------------------
@@ -230,7 +347,15 @@ def test_eight_concurrent_streams_each_get_their_own_reply(client: OpenAI, serve
     (b"{not json", 400, "not valid JSON"),
     (json.dumps({"messages": "hello"}).encode(), 400, "messages"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}).encode(), 400, "max_tokens"),
-    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}).encode(), 404, "gpt-4o"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}).encode(), 400, "tools"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}).encode(),
+     400, "response_format"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": list("abcde")}).encode(), 400, "at most 4 stop"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": "x" * 2000}).encode(), 400, "at most 4 stop"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": -100}}).encode(), 400,
+     "outside the vocabulary"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}).encode(), 400, "needs logprobs"),
+    (json.dumps({"messages": [{"role": "user", "content": "x" * (9 << 20)}]}).encode(), 413, "over 8 MiB"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "quality": 1.5}).encode(), 400, "quality"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "quality": "best"}).encode(), 400, "quality"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 2}).encode(), 400, "n must be 1"),
@@ -253,12 +378,26 @@ def test_openai_client_sees_the_context_error(client: OpenAI):
     assert raised.value.code == "context_length_exceeded"
 
 
+def test_a_page_elsewhere_cannot_reach_a_local_server(server: Server):
+    """DNS rebinding: a page at evil.example that resolves to 127.0.0.1 sends Host: evil.example. Without a key,
+    a loopback server answers only its own names."""
+    for path in ("/v1/models", "/health", "/"):
+        refused = httpx.get(f"{server.url}{path}", headers={"Host": f"evil.example:{server.port}"}, timeout=10)
+        assert refused.status_code == 403 and "Host" in refused.json()["error"]["message"]
+    for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "localhost"):
+        assert httpx.get(f"{server.url}/v1/models", headers={"Host": host}, timeout=10).status_code == 200
+
+
 def test_api_key_and_a_full_queue():
     server = Server("--api-key", "sesame", "--max-queue", "1")
     try:
         assert httpx.get(f"{server.url}/v1/models").status_code == 401
         wrong = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        lower = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "bearer sesame"})  # the scheme's case is free
+        assert lower.status_code == 200
+        # with a key, any Host may call (the key is the protection)
+        assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer sesame", "Host": "example.org"}).status_code == 200
         assert httpx.get(f"{server.url}/health").status_code == 200  # health needs no key
         client = OpenAI(base_url=f"{server.url}/v1", api_key="sesame", max_retries=0)
         body = {"messages": [{"role": "user", "content": COUNTING}], "max_tokens": 400, "temperature": 0, "stream": True}
@@ -318,7 +457,7 @@ def test_page_streams_and_colours_tokens(server: Server):
         assert "exit depth" in driver.find_element(By.ID, "legend").text
         driver.execute_script("document.getElementById('quality').value = arguments[0];",
                               f"{exiting_quality():g}")
-        driver.find_element(By.ID, "input").send_keys("Write a short poem about the sea.")
+        driver.find_element(By.ID, "input").send_keys("List three sea animals.")
         driver.find_element(By.ID, "send").click()
         WebDriverWait(driver, 120).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".figures"))
         tokens = driver.find_elements(By.CSS_SELECTOR, ".assistant .token")

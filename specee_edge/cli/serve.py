@@ -38,6 +38,7 @@ def serve(
         import uvicorn
 
         from specee_edge.server import ServerConfig, create_app
+        from specee_edge.server.app import allowed_hosts, is_loopback
     except ImportError as e:
         raise fail(f"serve needs the server extra ({e.name} is missing): pip install 'specee-edge[server]'") from None
     if max_queue < 1:
@@ -51,13 +52,15 @@ def serve(
     except SpecEEError as e:
         raise fail(e) from None
     path = engine.model.info.path
-    config = ServerConfig(model_id=label, model_aliases=frozenset({label, path.name, path.stem, str(path)}),
-                          api_key=api_key, max_queue=max_queue, chat_template=template)
+    config = ServerConfig(model_id=label, api_key=api_key, max_queue=max_queue, chat_template=template,
+                          allowed_hosts=allowed_hosts(host))
     line = {"highlight": False, "markup": False, "soft_wrap": True}
     setting = exit_setting(engine)
     state = f"early exit {'on' if engine.early_exit else 'off'}{f', {setting}' if setting else ''}"
     console.print(f"specee-edge serve · {path.name} ({engine.n_layer} layers) · {state}", **line)
-    for warning in (notice, level_warning(engine)):
+    exposed = None if api_key or is_loopback(host) else (
+        f"listening on {host} without --api-key: anyone who can reach this address can use the model")
+    for warning in (notice, level_warning(engine), exposed):
         if warning:
             console.print(warning, style="yellow", **line)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"

@@ -3,6 +3,9 @@
 Every request becomes a Job for the engine's worker thread; the handler waits for the job's first event,
 so a request that cannot be served (a prompt beyond the context, say) gets its status code before any
 byte of a stream is sent.
+
+In front of the routes: a bound on the request body, and without an API key a check of the Host header,
+so that a web page cannot reach a local server by DNS rebinding (its requests name the attacker's host).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
@@ -19,29 +22,95 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specee_edge.engine import Engine, GenerationStats, TokenRecord
 from specee_edge.errors import ContextFullError, SpecEEError
 from specee_edge.exits import depth_band, depth_bands
 from specee_edge.pack import PackLevelError, parse_quality
 from specee_edge.server import protocol
-from specee_edge.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
+from specee_edge.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from specee_edge.server.worker import EngineWorker, Job, QueueFullError, ServerClosingError
 
 # The page's colour of each exit-depth band (exits.DEPTH_BAND_SHARES), the terminal's hues (green, cyan,
 # yellow, magenta) in shades that read on white.
 BAND_COLOURS = ("#2e9e44", "#1a9fb5", "#c49a00", "#b4379c")
 RETRY_AFTER_S = 1
+CLIENT_GONE = 499
+MAX_BODY_BYTES = 8 << 20  # far above what a context of tokens takes as text
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 @dataclass
 class ServerConfig:
-    model_id: str              # what /v1/models lists and requests may name
-    model_aliases: frozenset[str]
+    model_id: str              # what /v1/models lists and every reply names (requests may name any model)
     api_key: str | None = None
     max_queue: int = 16
     chat_template: str | None = None  # instead of the model's
+    allowed_hosts: frozenset[str] | None = None  # Host header names accepted without a key (None: any)
+
+
+def is_loopback(bind: str) -> bool:
+    return bind in LOOPBACK_HOSTS or bind.startswith("127.")
+
+
+def allowed_hosts(bind: str) -> frozenset[str] | None:
+    """The names a browser may call a server bound to `bind` by: loopback names for a loopback address, the
+    address itself otherwise; None for a wildcard address, whose names cannot be known."""
+    if bind in ("0.0.0.0", "::", ""):
+        return None
+    return LOOPBACK_HOSTS | {bind} if is_loopback(bind) else frozenset({bind})
+
+
+def host_name(header: str) -> str:
+    """The name in a Host header, without its port: `[::1]:8080` -> `::1`, `localhost:8080` -> `localhost`."""
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    return header.rpartition(":")[0] if header.count(":") == 1 else header
+
+
+class Guard:
+    """ASGI middleware: 413 for a body over MAX_BODY_BYTES (declared or streamed), 403 for a Host header the
+    server was not bound under (when config.allowed_hosts is set)."""
+
+    def __init__(self, app: ASGIApp, config: ServerConfig):
+        self.app, self.config = app, config
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        allowed = self.config.allowed_hosts
+        if allowed is not None and not self.config.api_key and host_name(headers.get("host", "")) not in allowed:
+            return await _refuse(send, 403, f"the Host header {headers.get('host', '')!r} does not name this server"
+                                            " (start it with --api-key to serve other names)")
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return await _refuse(send, 413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+        seen = 0
+
+        async def bounded_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+            return message
+
+        await self.app(scope, bounded_receive, send)
+
+
+async def _refuse(send: Send, status: int, message: str) -> None:
+    body = json.dumps(error_body(message)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
 
 
 class ApiError(Exception):
@@ -62,6 +131,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         worker.close()  # after uvicorn has closed the connections, which cancels their jobs
 
     app = FastAPI(title="specee-edge", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_middleware(Guard, config=config)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -84,7 +154,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         """With --api-key, every /v1/ route wants it (/health and the page stay open)."""
         if not config.api_key:
             return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        given = given.strip() if scheme.lower() == "bearer" else ""
         if not secrets.compare_digest(given.encode(), config.api_key.encode()):
             what = "a wrong API key" if given else "no API key"
             raise ApiError(401, f"{what}: send Authorization: Bearer KEY", "authentication_error", "invalid_api_key")
@@ -95,8 +166,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def health() -> dict:
         return {"status": "ok", "queued": worker.queued, "tokens_generated": worker.tokens_generated}
 
-    @v1.get("/models")
-    async def models() -> dict:
+    def model_object() -> dict:
         policy = engine.policy
         levels = [level.quality for level in policy.pack.levels] if policy else []
         bands = [{"first": first, "last": last, "colour": BAND_COLOURS[band]}
@@ -104,12 +174,21 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         specee = {"n_layer": engine.n_layer, "n_ctx": engine.ctx.n_ctx, "early_exit": engine.early_exit,
                   "quality_levels": levels, "quality": _level_quality(engine, engine.config.quality), "depth_bands": bands,
                   "layer_colours": [BAND_COLOURS[depth_band(layer, engine.n_layer)] for layer in range(engine.n_layer)]}
-        return {"object": "list", "data": [{"id": config.model_id, "object": "model", "created": 0,
-                                            "owned_by": "specee-edge", "specee": specee}]}
+        return {"id": config.model_id, "object": "model", "created": 0, "owned_by": "specee-edge", "specee": specee}
+
+    @v1.get("/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_object()]}
+
+    @v1.get("/models/{name:path}")
+    async def model(name: str) -> dict:
+        """One model is served, under any name (clients hard-code theirs): its object says which it is."""
+        return model_object()
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        prompt = _format_chat(engine, body, config.chat_template)
+        # a template may be slow on long conversations: not on the event loop, which serves every client
+        prompt = await run_in_threadpool(_format_chat, engine, body, config.chat_template)
         return await _complete(request, body, prompt, chat=True)
 
     @v1.post("/completions")
@@ -126,18 +205,22 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def page() -> str:
         return resources.files("specee_edge.server").joinpath("static/index.html").read_text()
 
-    async def _complete(request: Request, body: SamplingFields, prompt: str, *, chat: bool) -> Response:
-        _check_model(config, body.model)
+    async def _complete(request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: str, *,
+                        chat: bool) -> Response:
         if body.n != 1:
             raise ApiError(400, f"n must be 1 (one choice per request), got {body.n}", code="unsupported_value")
+        if bad := [t for t in body.logit_bias or {} if not 0 <= t < engine.model.info.n_vocab]:
+            raise ApiError(400, f"logit_bias names tokens outside the vocabulary [0, {engine.model.info.n_vocab}): {bad[:4]}",
+                           param="logit_bias")
         quality = _request_quality(engine, body.quality, engine.config.quality)
-        max_tokens = body.max_tokens or engine.ctx.n_ctx  # none: until the context is full
-        job = Job(prompt, max_tokens, body.sampling(), body.stops(), quality, asyncio.get_running_loop())
+        max_tokens = body.reply_limit or engine.ctx.n_ctx  # none: until the context is full
+        job = Job(prompt, max_tokens, body.sampling(), body.stops(), quality, asyncio.get_running_loop(),
+                  body.n_logprobs)
         try:
             worker.submit(job)
         except QueueFullError as e:
             raise ApiError(503, str(e), "server_error", "queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        reply = Reply(job, request, chat, config.model_id, _level_quality(engine, quality))
+        reply = Reply(job, request, chat, config.model_id, _level_quality(engine, quality), engine.model.token_to_piece)
         streaming = False
         try:
             first = await reply.next_event()
@@ -147,6 +230,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
                 streaming = True  # from here the stream's own end (or the client's going) cancels the job
                 return EventSourceResponse(reply.chunks(first, body.include_usage), sep="\n")
             return JSONResponse(await reply.whole(first))
+        except ClientGone:  # nobody reads the answer; nginx's "client closed request" is what the log shows
+            return Response(status_code=CLIENT_GONE)
         finally:
             if not streaming:  # answered, failed, or the client went away (or the server stops): a no-op once done
                 job.cancel()
@@ -157,11 +242,14 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 class Reply:
     """One request's events turned into OpenAI's response objects: whole, or as stream chunks."""
 
-    def __init__(self, job: Job, request: Request, chat: bool, model_id: str, quality: float | None):
+    def __init__(self, job: Job, request: Request, chat: bool, model_id: str, quality: float | None,
+                 piece: Callable[[int], bytes]):
         self.job, self.request, self.chat, self.model_id, self.quality = job, request, chat, model_id, quality
+        self.piece = piece  # a token's bytes, for logprobs
         self.id = protocol.new_id("chatcmpl" if chat else "cmpl")
         self.created = protocol.created()
         self.n_tokens = 0
+        self.n_chars = 0  # of the reply so far: the legacy logprobs' text offsets
 
     async def next_event(self, *, watch_client: bool = True) -> tuple[str, TokenRecord | GenerationStats | Exception]:
         """The job's next event; a client that goes away meanwhile cancels the job. A stream passes
@@ -178,19 +266,29 @@ class Reply:
             except asyncio.TimeoutError:
                 if await self.request.is_disconnected():
                     self.job.cancel()
-                    raise asyncio.CancelledError("the client has gone") from None
+                    raise ClientGone()
+
+    def logprobs(self, records: list[TokenRecord]) -> dict | None:
+        """OpenAI's logprobs object for these tokens (None when the request asked for none)."""
+        entries = [(r.logprobs, r.id) for r in records if r.logprobs is not None]
+        if self.job.n_logprobs is None:
+            return None
+        if self.chat:
+            return protocol.chat_logprobs(entries, self.piece)
+        return protocol.completion_logprobs(entries, self.piece, self.n_chars)
 
     async def whole(self, event: tuple) -> dict:
-        pieces = []
+        records = []
         while event[0] == "token":
-            pieces.append(event[1].text)
+            records.append(event[1])
             event = await self.next_event()
         if event[0] == "error":
             raise _api_error(event[1])
         stats = event[1]
-        text = "".join(pieces)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if self.chat
-                  else {"index": 0, "text": text, "logprobs": None})
+        text = "".join(r.text for r in records)
+        logprobs = self.logprobs(records)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs} if self.chat
+                  else {"index": 0, "text": text, "logprobs": logprobs})
         choice["finish_reason"] = protocol.finish_reason(stats)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model_id, "choices": [choice],
@@ -205,6 +303,9 @@ class Reply:
             while event[0] == "token":
                 record = event[1]
                 piece = {"delta": {"content": record.text}} if self.chat else {"text": record.text}
+                if (logprobs := self.logprobs([record])) is not None:
+                    piece["logprobs"] = logprobs
+                self.n_chars += len(record.text)
                 yield self._chunk(piece, specee=protocol.token_extension(record))
                 event = await self.next_event(watch_client=False)
             if event[0] == "error":  # after the first token only a bug gets here: end the stream with it
@@ -238,12 +339,6 @@ def _format_chat(engine: Engine, body: ChatCompletionRequest, template: str | No
         raise ApiError(400, str(e), param="messages") from None
     except Exception as e:  # the template's own error (a role order it refuses, say)
         raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-
-
-def _check_model(config: ServerConfig, name: str | None) -> None:
-    if name and name not in config.model_aliases:
-        raise ApiError(404, f"the model {name!r} does not exist here: this server has {config.model_id!r}",
-                       "not_found_error", "model_not_found")
 
 
 def _request_quality(engine: Engine, value: float | str | None, server_quality: float | None) -> float | None:
@@ -289,4 +384,5 @@ def _validation_message(e: RequestValidationError) -> str:
     where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('msg')}"
-    return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+    message = str(first.get("msg")).removeprefix("Value error, ")  # a validator's own sentence
+    return f"{where}: {message}" if where else message

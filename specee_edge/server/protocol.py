@@ -1,21 +1,35 @@
 """The OpenAI API's request bodies and response objects, as far as specee-edge serves them.
 
 Request fields the server does not know are ignored, as OpenAI's own API and llama-server do; a known
-field of the wrong type is a 400. Sampling defaults are llama.cpp's (llama-server and llama-cpp-python's
-server use the same), not OpenAI's. `quality` and the `specee` objects are this server's extensions.
+field of the wrong type is a 400, and so is a field it knows but cannot honour (tools, a JSON response
+format). An explicit null is the field's default, as in OpenAI's API. Sampling defaults are llama.cpp's
+(llama-server and llama-cpp-python's server use the same), not OpenAI's. `quality` and the `specee`
+objects are this server's extensions.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specee_edge.engine import GenerationStats, SamplingParams, TokenRecord
+from specee_edge.engine.sampling import TokenLogprobs
 from specee_edge.exits import ExitKind
 from specee_edge.pack.format import EXACT_QUALITY
+
+MAX_STOPS = 4             # OpenAI's limit
+MAX_STOP_CHARS = 1024
+MAX_TOP_LOGPROBS = 20     # chat's top_logprobs; completions' logprobs goes to 5
+BAN = -100.0              # OpenAI: a bias of -100 bans the token (a finite -100 would not, at a head-free exit's 4 candidates)
+LOGPROB_FLOOR = -9999.0   # JSON has no -Infinity
+# fields this server knows but cannot honour, and the values that ask for nothing
+UNSUPPORTED: dict[str, tuple] = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+                                 "function_call": (None, "none"), "response_format": (None, {"type": "text"})}
 
 
 class SamplingFields(BaseModel):
@@ -23,21 +37,52 @@ class SamplingFields(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name; it wins
     temperature: float = Field(default=0.8, ge=0.0, le=2.0)
     top_p: float = Field(default=0.95, gt=0.0, le=1.0)
     top_k: int = Field(default=40, ge=0)          # llama.cpp's; not in OpenAI's API
     min_p: float = Field(default=0.05, ge=0.0, le=1.0)
-    repeat_penalty: float = Field(default=1.0, gt=0.0)
-    seed: int | None = None
+    repeat_penalty: float = Field(default=1.0, gt=0.0)  # llama.cpp's penalties, over repeat_last_n tokens
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repeat_last_n: int = Field(default=64, ge=0)
+    logit_bias: dict[int, float] | None = None     # token id -> bias in [-100, 100]; -100 bans
+    seed: int | None = None                        # negative: a random seed (llama.cpp's -1)
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     quality: float | Literal["default", "exact"] | None = None  # the pack's quality level for this request
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, allowed in UNSUPPORTED.items():
+            if data.get(name) not in allowed:
+                raise ValueError(f"{name} is not supported by this server")
+        return {key: value for key, value in data.items() if value is not None}
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingFields:
+        stops = self.stops()
+        if len(stops) > MAX_STOPS or any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise ValueError(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters")
+        if any(not -100.0 <= bias <= 100.0 for bias in (self.logit_bias or {}).values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        return self
+
+    @property
+    def reply_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
     def sampling(self) -> SamplingParams:
+        bias = {token: -math.inf if value <= BAN else value for token, value in (self.logit_bias or {}).items()}
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                              repeat_penalty=self.repeat_penalty, seed=self.seed)
+                              repeat_penalty=self.repeat_penalty, frequency_penalty=self.frequency_penalty,
+                              presence_penalty=self.presence_penalty, repeat_last_n=self.repeat_last_n,
+                              logit_bias=bias, seed=self.seed if self.seed is None or self.seed >= 0 else None)
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -59,7 +104,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # a tool's result, as the template renders it
     content: str | list[TextPart] | None = None
 
     def for_template(self) -> dict[str, str]:
@@ -69,11 +114,29 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def n_logprobs(self) -> int | None:
+        """How many alternatives each token's logprobs lists (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+
+    @property
+    def n_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompt_text(self) -> str:
         if isinstance(self.prompt, str):
@@ -103,6 +166,30 @@ def usage(stats: GenerationStats, n_completion: int) -> dict:
     return {"prompt_tokens": stats.n_prompt, "completion_tokens": n_completion,
             "total_tokens": stats.n_prompt + n_completion,
             "prompt_tokens_details": {"cached_tokens": stats.n_cached}}
+
+
+def _logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR) if not math.isnan(value) else LOGPROB_FLOOR
+
+
+def chat_logprobs(entries: list[tuple[TokenLogprobs, int]], piece: Callable[[int], bytes]) -> dict:
+    """Chat's `logprobs` object for (logprobs, token) pairs; piece(token) is the token's bytes."""
+    def item(token: int, logprob: float) -> dict:
+        raw = piece(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": _logprob(logprob), "bytes": list(raw)}
+
+    return {"content": [item(token, lp.logprob) | {"top_logprobs": [item(t, v) for t, v in lp.top]}
+                        for lp, token in entries]}
+
+
+def completion_logprobs(entries: list[tuple[TokenLogprobs, int]], piece: Callable[[int], bytes], offset: int = 0) -> dict:
+    """The legacy completions' `logprobs` object; offset: the reply's characters before the first entry."""
+    tokens = [piece(token).decode("utf-8", errors="replace") for _, token in entries]
+    offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [_logprob(lp.logprob) for lp, _ in entries],
+            "top_logprobs": [{piece(t).decode("utf-8", errors="replace"): _logprob(v) for t, v in lp.top}
+                             for lp, _ in entries],
+            "text_offset": offsets}
 
 
 def token_extension(record: TokenRecord) -> dict:

@@ -41,6 +41,7 @@ class Job:
     stop: Sequence[str]
     quality: float | None  # the pack's level for this request (None: the pack's default)
     loop: asyncio.AbstractEventLoop
+    n_logprobs: int | None = None  # each token's logprobs, with this many alternatives (None: none)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -107,7 +108,9 @@ class EngineWorker:
         try:
             tokens = engine.tokenize(job.prompt)
             reuse_cache(engine, tokens)
-            stream = engine.stream(tokens, max_tokens=job.max_tokens, sampling=job.sampling, stop=job.stop)
+            # a client that goes away during a long prompt stops it at the next batch
+            stream = engine.stream(tokens, max_tokens=job.max_tokens, sampling=job.sampling, stop=job.stop,
+                                   logprobs=job.n_logprobs, cancel=job.cancelled.is_set)
             for record in stream:
                 if job.cancelled.is_set():
                     stream.close()  # the engine keeps what it decoded, consistently (as Ctrl+C does)
@@ -121,10 +124,13 @@ class EngineWorker:
 
 
 def reuse_cache(engine: Engine, tokens: Sequence[int]) -> None:
-    """Keep the cache only for a prompt that extends what it holds (a conversation's next turn), where
-    reusing it changes nothing but the time; anything else starts from an empty cache, so that a reply
-    does not depend on which request came before (a prompt decoded in other batches can differ in the
-    last bits of its K/V)."""
+    """Keep the cache only for a prompt that extends what it holds (a conversation's next turn); anything else
+    starts from an empty cache, so that a reply does not depend on which request came before.
+
+    Reuse is not free of effects: the engine keeps only cells computed through every layer (it decodes again
+    from the first an early exit left approximate), but a reply's cells came from one-token steps, and a fresh
+    request would decode the same tokens as one batch, whose kernels differ in the last bits. A greedy reply
+    can then differ where two tokens nearly tie (as with llama-server's cache_prompt)."""
     cached = engine.cached_tokens
     if cached and list(tokens[:len(cached)]) != cached:
         engine.reset()
