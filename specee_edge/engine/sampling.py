@@ -72,10 +72,12 @@ def masks_every_token(logits: np.ndarray, params: SamplingParams) -> bool:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history: Sequence[int] = ()) -> int:
-    logits = apply_logit_bias(np.asarray(logits, dtype=np.float32), params.logit_bias)
+    logits = np.asarray(logits, dtype=np.float32)
+    if params.logit_bias:  # only a bias can leave no token (a head-free exit's candidates are finite)
+        logits = apply_logit_bias(logits, params.logit_bias)
+        if not np.isfinite(logits.max()):
+            raise SpecEEError("logit_bias bans every token: nothing is left to sample")
     logits = apply_penalties(logits, history, params)
-    if not np.isfinite(logits.max(initial=-np.inf)):
-        raise SpecEEError("logit_bias bans every token: nothing is left to sample")
     if params.greedy:
         return int(np.argmax(logits))
 
