@@ -161,6 +161,35 @@ def test_greedy_exact_mode_is_vanillas_answer_up_to_near_ties(engine):
     assert {TokenSource.ACCEPTED, TokenSource.CORRECTION} <= sources
 
 
+def test_prompt_lookup_drafts_rounds_that_repeat_the_context(engine):
+    """Where the context offers a continuation, a round verifies it with no drafting step: a reply that copies its
+    prompt is drafted by lookup, and it is still vanilla's answer."""
+    prompt = prompt_of(engine, "Repeat exactly, twice: the quick brown fox jumps over the lazy dog.")
+    plain = vanilla(engine, prompt, max_tokens=40, sampling=GREEDY)
+    records = list(engine.stream(prompt, max_tokens=40, sampling=GREEDY))
+    stats = engine.stats
+    assert_cache_holds_the_reply(engine, prompt, [r.id for r in records])
+    engine.reset()
+    lookup_rounds = [r for r in records if r.round_lookup]
+    assert stats.lookup_rounds == len(lookup_rounds) > 0 and stats.lookup_rounds < stats.rounds + 1
+    # a lookup round decoded no drafting step: its accepted drafts left no layer early
+    assert all(r.exit_layer is None for r in records if r.source == TokenSource.ACCEPTED and r.probes == 0)
+    margins = divergence_margins(Context(engine.model, n_ctx=1024, n_threads=2), [prompt], [plain.tokens],
+                                 [[r.id for r in records]])
+    assert all(margin < NEAR_TIE for margin in margins), margins
+
+
+def test_lookup_continues_the_latest_occurrence_of_the_longest_suffix():
+    from specee_edge.draft.lookup import PromptLookup
+
+    index = PromptLookup(max_n=3)
+    index.extend([5, 6, 7, 8, 9, 6, 7, 1, 2, 6, 7])
+    assert index.continuation(3) == [1, 2, 6]  # "6 7" last occurred before 1 2; the longest match "6 7" wins
+    index.extend([8])
+    assert index.continuation(5) == [9, 6, 7, 1, 2]  # "6 7 8" occurred once
+    assert index.continuation(0) == [] and PromptLookup(max_n=3).continuation(2) == []
+
+
 def test_a_lossy_level_would_change_the_answers_exact_mode_keeps(engine, exact_pack):
     """The same exits as the answer (a lossy level) depart from vanilla: what exact mode's verification prevents."""
     pack = read_pack(exact_pack)

@@ -415,6 +415,16 @@ def test_api_key_and_a_full_queue():
     assert "Traceback" not in out, out
 
 
+def test_an_open_bind_without_a_key_warns():
+    """Bound to every address, the server cannot know its names: any Host is answered, and it says so at start."""
+    server = Server("--host", "0.0.0.0")
+    try:
+        assert httpx.get(f"{server.url}/v1/models", headers={"Host": "example.org"}, timeout=10).status_code == 200
+    finally:
+        out = server.stop()
+    assert "listening on 0.0.0.0 without --api-key" in out
+
+
 def test_serve_errors_are_one_line():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

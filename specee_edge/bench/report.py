@@ -60,6 +60,7 @@ class ModeResult:
     exact: bool = False               # exact mode: exits draft, the full model verifies
     acceptance_rate: float = 0.0      # exact mode, greedy: drafted tokens the full model accepted
     tokens_per_round: float = 0.0     # ... tokens emitted per verification batch
+    lookup_round_share: float = 0.0   # ... batches whose drafts came from prompt lookup (the rest: from exits)
     verify_cost: float | None = None  # ... one verification batch against one vanilla step (measured)
     divergences: int = 0              # answers that depart from vanilla greedy
     near_ties: int = 0                # ... where vanilla's top-2 logits differed by less than quality.NEAR_TIE
@@ -208,6 +209,7 @@ class BenchResult:
                                                                             m.sampled.acceptance_rate if m.sampled else None)),
                 ("tokens_per_round (greedy / sampled)", lambda m: exact_cell(m, m.tokens_per_round,
                                                                              m.sampled.tokens_per_round if m.sampled else None)),
+                ("rounds drafted by prompt lookup", lambda m: f"{m.lookup_round_share:.2f}" if m.tokens_per_round else "-"),
                 ("verify_cost (batch / vanilla step)", lambda m: "-" if m.verify_cost is None else f"{m.verify_cost:.2f}"),
                 ("divergences from vanilla (near-ties)", lambda m: f"{m.divergences} ({m.near_ties})"),
                 ("identical answers, sampled", lambda m: f"{m.sampled.identical:.2f}" if m.sampled else "-"),

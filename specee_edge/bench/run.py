@@ -265,6 +265,7 @@ def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, costs: T
         ms_per_token=time_split(stats, lane.timing.ms, costs.draft_ms),
         exit_histogram=exit_histogram(stats.exit_layers, oracle.n_layer),
         exact=lane.engine.exact, acceptance_rate=stats.acceptance_rate, tokens_per_round=stats.tokens_per_round,
+        lookup_round_share=stats.lookup_rounds / stats.rounds if stats.rounds else 0.0,
         verify_cost=verify_cost(stats, vanilla),
         divergences=len(margins), near_ties=sum(margin < NEAR_TIE for margin in margins),
         largest_divergence_margin=max(margins, default=None), sampled=sampled,

@@ -60,11 +60,22 @@ class PromptLookup:
 
     def propose(self) -> int | None:
         """The token after the latest earlier occurrence of the longest matching suffix; None: no match."""
+        end = self._match_end()
+        return None if end is None else self.tokens[end + 1]
+
+    def continuation(self, limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the latest earlier occurrence of the longest matching suffix (exact
+        mode's drafts from the context itself: a reply that repeats its prompt or itself); [] without a match."""
+        end = self._match_end()
+        return [] if end is None else self.tokens[end + 1 : end + 1 + limit]
+
+    def _match_end(self) -> int | None:
+        """Where the latest earlier occurrence of the longest suffix (up to max_n tokens) that occurred before ends."""
         tokens_ = self.tokens
         for n in range(min(self.max_n, len(tokens_)), 0, -1):
             ends = self._ends[n].get(tuple(tokens_[len(tokens_) - n :]))
             if ends:
-                return tokens_[ends[-1] + 1]
+                return ends[-1]
         return None
 
 

@@ -362,13 +362,20 @@ class Engine:
         exit early, verify the drafts in one batch, keep what the full model accepts. Returns the records of
         the tokens it emits (at least one; at most `budget` unless the budget is spent).
 
-        Draft: `token`, then each draft, is decoded alone with early exits; each step's argmax is the next
-        draft (after a head-free exit, the candidates'). A step that runs every layer ends the round; if it is
-        the first, the cache below it is exact and its logits are the full model's own: there is no round.
+        Draft: where the context offers a continuation (prompt lookup: what followed the latest earlier
+        occurrence of its last tokens), that is the round's drafts, at no cost. Otherwise `token`, then each
+        draft, is decoded alone with early exits; each step's argmax is the next draft (after a head-free exit,
+        the candidates'). A step that runs every layer ends the round; if it is the first, the cache below it
+        is exact and its logits are the full model's own: there is no round.
         """
         p = self.ctx.n_past
         # the batch holds m + 1 rows at positions p .. p + m, and the round emits up to m + 1 tokens
         limit = min(int(self.policy.max_draft), self.ctx.n_ctx - p - 1, budget - 1)
+        if limit >= 1 and self._history.max_n:
+            if drafts := self._lookup_drafts(token, limit):
+                records = self._verify(p, token, drafts, [TokenRecord(-1, "", None, 0, 0, None) for _ in drafts], draw)
+                records[0].round_lookup = True
+                return records
         drafts: list[int] = []
         steps: list[TokenRecord] = []
         feed = token
@@ -395,6 +402,15 @@ class Engine:
             feed = drafts[-1]
         return self._verify(p, token, drafts, steps, draw)
 
+    def _lookup_drafts(self, token: int, limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the latest earlier occurrence of the context's last tokens and
+        `token` (not cached yet), cut after an end of generation."""
+        self._history.extend([token])
+        drafts = self._history.continuation(limit)
+        self._history.truncate(len(self._history) - 1)
+        end = next((i for i, t in enumerate(drafts) if self.model.is_eog(t)), None)
+        return drafts if end is None else drafts[: end + 1]
+
     def _verify(self, p: int, token: int, drafts: list[int], steps: list[TokenRecord], draw: Sampler) -> list[TokenRecord]:
         """Run [token, draft_1 .. draft_m] through every layer at positions p .. p + m, with logits for each
         row: row i is the full model's distribution after draft_i. Its own token is drawn at each row and the
@@ -403,8 +419,9 @@ class Engine:
         from the full model's distribution, as in plain decoding, so under sampling the output distribution
         is the full model's exactly; the drafts only decide how many rows one batch checks."""
         t0 = time.perf_counter()
-        # an EOS draft needs no row after it: the reply ends there if it is accepted
-        batch = [token, *drafts] if not self.model.is_eog(drafts[-1]) else [token, *drafts[:-1]]
+        # an EOS draft needs no row after it (the reply ends there if it is accepted), unless it is the only
+        # draft: a batch of one row would be a single-token step, which may exit early, not a verification
+        batch = [token, *drafts] if len(drafts) == 1 or not self.model.is_eog(drafts[-1]) else [token, *drafts[:-1]]
         # the drafted cells are shallow (their skipped layers filled or masked): drop them and recompute
         self._truncate(p)
         self.policy.begin_verify()   # the batch's graph keeps the draft head, which keeps every output row

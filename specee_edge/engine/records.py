@@ -41,6 +41,7 @@ class TokenRecord:
     source: TokenSource = TokenSource.FULL
     round_drafts: int = 0      # exact mode, on the first token of a verified round: the drafts it checked
     batch_ms: float = 0.0      # exact mode, on the first token of a round: its verification batch
+    round_lookup: bool = False  # ... whether its drafts came from prompt lookup (else from early exits)
     logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
@@ -64,6 +65,7 @@ class GenerationStats:
     lookup_proposals: int = 0     # steps with a prompt-lookup candidate
     lookup_hits: int = 0          # ... that was the emitted token
     rounds: int = 0               # exact mode: verification batches
+    lookup_rounds: int = 0        # ... whose drafts came from prompt lookup
     drafts: int = 0               # ... drafted tokens they checked
     accepted: int = 0             # ... drafts the full model accepted
     round_tokens: int = 0         # ... tokens the rounds emitted (accepted, corrections and bonuses)
@@ -86,6 +88,7 @@ class GenerationStats:
         self.lookup_proposals += record.lookup_hit is not None
         self.lookup_hits += bool(record.lookup_hit)
         self.rounds += record.round_drafts > 0
+        self.lookup_rounds += record.round_lookup
         self.drafts += record.round_drafts
         self.accepted += record.source == TokenSource.ACCEPTED
         self.round_tokens += record.source in (TokenSource.ACCEPTED, TokenSource.CORRECTION, TokenSource.BONUS)
