@@ -12,6 +12,7 @@ import pytest
 from llama_cpp import Llama
 from typer.testing import CliRunner
 
+from specee_edge.bench.quality import repetition
 from specee_edge.bench.run import bench_qualities, pick_prompts
 from specee_edge.bench.runner import VanillaLane
 from specee_edge.data.prompts import Prompt, bench_prompts
@@ -93,6 +94,18 @@ def test_values_are_sane(bench_run):
     # the parts of a step add up to the lane's own time per step
     parts = sum(v for k, v in data["ms_per_token"].items() if k != "sample")
     assert parts == pytest.approx(1e3 / data["specee_tok_s"], rel=1e-6)
+    # repetition per category of the prompts run; the speed-up on answers that do not loop is over a subset
+    assert len(data["repetition_by_category"]) == PROMPTS and 0 <= data["looping_answers"] <= PROMPTS
+    assert all(0 <= r <= 1 for r in data["repetition_by_category"].values())
+    assert (data["speedup_no_loop"] is None) == (data["looping_answers"] == PROMPTS)
+
+
+def test_repetition_counts_tokens_inside_a_repeated_4_gram():
+    assert repetition([1, 2, 3, 4, 5, 6, 7, 8]) == 0.0
+    assert repetition([1, 2, 3, 4, 1, 2, 3, 4]) == 0.5          # the second 1 2 3 4
+    assert repetition([9, 1, 2, 3, 4, 1, 2, 3, 4, 1]) == 0.5    # the second 1 2 3 4 and the 1 after it (2 3 4 1)
+    assert repetition([7] * 10) == pytest.approx(0.9)           # a loop: all but the first 4-gram's first token
+    assert repetition([]) == 0.0
 
 
 def test_lane_figures_match_an_engine_run_apart(bench_run, default_model):

@@ -124,3 +124,21 @@ def perplexity(engine: Engine, tokens: Sequence[int], *, early_exit: bool,
         engine.reset()
     n = max(len(tokens) - 1, 1)
     return Perplexity(float(np.exp(nll / n)), float(np.exp(raw_nll / n)))
+
+
+REPEAT_NGRAM = 4   # a token inside a 4-gram the answer already said is a repeated one
+LOOP_SHARE = 0.5   # an answer at least half repeated loops
+
+
+def repetition(tokens: Sequence[int], n: int = REPEAT_NGRAM) -> float:
+    """The share of an answer's tokens inside an n-gram that already appeared earlier in it: how much of it a
+    prompt lookup over the answer could predict (a base model's greedy loops approach 1)."""
+    seen: set[tuple[int, ...]] = set()
+    repeated = np.zeros(len(tokens), dtype=bool)
+    for i in range(len(tokens) - n + 1):
+        gram = tuple(tokens[i : i + n])
+        if gram in seen:
+            repeated[i : i + n] = True
+        seen.add(gram)
+    return float(repeated.mean()) if len(tokens) else 0.0
+

@@ -4,7 +4,7 @@ speed/quality trade-off (text and PNG)."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +26,7 @@ class SampledResult:
     identical: float                  # answers identical to vanilla's sampled ones (exact mode: up to near-ties)
     acceptance_rate: float = 0.0      # exact mode: drafts accepted under sampling
     tokens_per_round: float = 0.0
+    speedup_no_loop: float | None = None  # greedy lanes: the speed-up on the answers that do not loop
 
 
 @dataclass
@@ -37,6 +38,7 @@ class ModeResult:
     steps: int                        # timed decode steps (each prompt's first token comes from the prompt pass)
     specee_tok_s: float
     speedup: float
+    speedup_no_loop: float | None     # ... on the prompts whose vanilla answer does not loop (None: every one loops)
     gain_captured: float | None       # of the head-free oracle's gain; None when it is 1 (nothing to capture)
     agreement: float
     exact_prefix: float
@@ -95,6 +97,9 @@ class BenchResult:
     vanilla_sampled_tok_s: float | None = None
     peer: SampledResult | None = None          # llama-cpp-python's prompt-lookup speculative decoding, greedy
     peer_sampled: SampledResult | None = None  # ... sampled
+    # per category, the mean share of vanilla greedy's answer tokens inside a 4-gram it already said
+    repetition_by_category: dict[str, float] = field(default_factory=dict)
+    looping_answers: int = 0                   # vanilla greedy answers at least half repeated (quality.LOOP_SHARE)
 
     @property
     def main(self) -> ModeResult:
@@ -150,7 +155,12 @@ class BenchResult:
             ("costs (ms)", f"layer {c.layer_ms:.3f}, head {c.head_ms:.2f}, draft {c.draft_ms:.3f}, "
                            f"check {c.check_ms:.3f}, fixed {c.fixed_ms:.2f}"),
             ("ppl_full", f"{self.ppl_full:.2f} ({self.ppl_tokens} held-out tokens)"),
+            ("repetition", ", ".join(f"{c} {r:.2f}" for c, r in self.repetition_by_category.items())
+                           + f" (vanilla greedy's tokens in a repeated 4-gram); {self.looping_answers} of {self.prompts}"
+                           " answers loop (half or more)"),
         ]
+        if self.peer and self.peer.speedup_no_loop is not None:
+            rows.append(("peer, no loops", f"{self.peer.speedup_no_loop:.3f}x greedy on the answers that do not loop"))
         for label, value in rows:
             table.add_row(label, value)
         return table
@@ -195,6 +205,7 @@ class BenchResult:
             table.add_column(self.lane(m), justify="right")
         rows = [
             ("specee tok/s", lambda m: f"{m.specee_tok_s:.1f}"),
+            ("speedup greedy, answers that do not loop", lambda m: "-" if m.speedup_no_loop is None else f"{m.speedup_no_loop:.3f}x"),
             ("gain_captured (head-free oracle)", lambda m: "-" if m.gain_captured is None else f"{m.gain_captured:+.2f}"),
             ("predictor_calls_per_token", lambda m: f"{m.predictor_calls_per_token:.2f}"),
             ("verify_fail_rate", lambda m: f"{m.verify_fail_rate:.3f}"),

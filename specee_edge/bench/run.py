@@ -13,8 +13,8 @@ from llama_cpp import Llama
 from threadpoolctl import threadpool_limits
 
 from specee_edge.bench.oracle import Oracle, oracle_depths
-from specee_edge.bench.quality import (NEAR_TIE, Agreement, Perplexity, agreement, divergence_margins, exact_prefix,
-                                      perplexity)
+from specee_edge.bench.quality import (LOOP_SHARE, NEAR_TIE, Agreement, Perplexity, agreement, divergence_margins,
+                                      exact_prefix, perplexity, repetition)
 from specee_edge.bench.report import TIME_PARTS, BenchResult, ModeResult, SampledResult
 from specee_edge.bench.runner import PeerLane, SpecEELane, VanillaLane, run_interleaved
 from specee_edge.data.prompts import Prompt, bench_prompts, heldout_text
@@ -183,8 +183,11 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     advance = reporter.task("quality", sum(lane.timing.steps for lane in lanes) + (len(lanes) + 1) * (len(heldout) - 1))
     ppl_full = perplexity(first, heldout, early_exit=False, advance=advance).value
     categories = [p.category for p in selected]
+    # how much of each vanilla greedy answer repeats itself, and the answers that do not loop
+    repeated = [repetition(output) for output in vanilla.outputs]
+    no_loop = [i for i, share in enumerate(repeated) if share < LOOP_SHARE]
     modes = [
-        mode_result(lane, vanilla, oracle, costs, categories,
+        mode_result(lane, vanilla, oracle, costs, categories, no_loop,
                     agreement=agreement(reference, prompts, lane.records, advance),
                     # exact mode's distribution is the full model's: its perplexity is plain decoding's
                     ppl=perplexity(lane.engine, heldout, early_exit=not lane.engine.exact, advance=advance),
@@ -204,8 +207,11 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
         oracle_histogram=oracle.histogram, costs=costs, ppl_full=ppl_full, ppl_tokens=len(heldout),
         default_quality=default_level.quality if default_level else None, modes=modes,
         vanilla_sampled_tok_s=vanilla_sampled.timing.tok_s if vanilla_sampled else None,
-        peer=lane_speed(peer, vanilla) if peer else None,
+        peer=lane_speed(peer, vanilla, no_loop) if peer else None,
         peer_sampled=lane_speed(peer_sampled, vanilla_sampled) if peer_sampled and vanilla_sampled else None,
+        repetition_by_category={c: float(np.mean([r for r, cat in zip(repeated, categories) if cat == c]))
+                                for c in sorted(set(categories))},
+        looping_answers=len(repeated) - len(no_loop),
         seconds=time.perf_counter() - start, command=config.command,
     )
 
@@ -215,11 +221,19 @@ def peer_lane(config: BenchConfig, is_eog, sampling: SamplingParams | None = Non
     return PeerLane(str(config.model), ENGINE_CTX, config.threads, config.tokens, is_eog, **kwargs)
 
 
-def lane_speed(lane: PeerLane | SpecEELane, vanilla: VanillaLane) -> SampledResult:
-    """A lane's speed-up over vanilla and its whole answers identical to vanilla's (same prompts and seeds)."""
+def lane_speed(lane: PeerLane | SpecEELane, vanilla: VanillaLane, no_loop: Sequence[int] | None = None) -> SampledResult:
+    """A lane's speed-up over vanilla and its whole answers identical to vanilla's (same prompts and seeds);
+    no_loop: the prompts whose vanilla answer does not loop, for the speed-up on them alone."""
     identical = [output == reference for output, reference in zip(lane.outputs, vanilla.outputs)]
     speedup = lane.timing.tok_s / vanilla.timing.tok_s if vanilla.timing.tok_s else 0.0
-    return SampledResult(speedup=speedup, identical=float(np.mean(identical)) if identical else 0.0)
+    return SampledResult(speedup=speedup, identical=float(np.mean(identical)) if identical else 0.0,
+                         speedup_no_loop=speedup_on(lane, vanilla, no_loop) if no_loop is not None else None)
+
+
+def speedup_on(lane: PeerLane | SpecEELane, vanilla: VanillaLane, prompts: Sequence[int]) -> float | None:
+    """The speed-up over the given prompts only (None when there are none)."""
+    base = vanilla.timing.tok_s_on(prompts)
+    return lane.timing.tok_s_on(prompts) / base if prompts and base else None
 
 
 def sampled_result(lane: SpecEELane, vanilla: VanillaLane) -> SampledResult:
@@ -232,9 +246,11 @@ def sampled_result(lane: SpecEELane, vanilla: VanillaLane) -> SampledResult:
     return result
 
 
-def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, costs: TokenCosts, categories: Sequence[str], *,
-                agreement: Agreement, ppl: Perplexity, margins: list[float], sampled: SampledResult | None) -> ModeResult:
-    """categories: each prompt's, in the order the lane answered them."""
+def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, costs: TokenCosts, categories: Sequence[str],
+                no_loop: Sequence[int], *, agreement: Agreement, ppl: Perplexity, margins: list[float],
+                sampled: SampledResult | None) -> ModeResult:
+    """categories: each prompt's, in the order the lane answered them; no_loop: the prompts whose vanilla
+    answer does not loop."""
     stats = GenerationStats(oracle.n_layer, early_exit=True)
     for record in lane.decode_records():
         stats.add(record)
@@ -249,7 +265,7 @@ def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, costs: T
     headroom = oracle.head_free_speedup - 1
     return ModeResult(
         kv_mode=lane.kv_mode, quality=lane.engine.policy.quality, steps=lane.timing.steps,
-        specee_tok_s=lane.timing.tok_s, speedup=speedup,
+        specee_tok_s=lane.timing.tok_s, speedup=speedup, speedup_no_loop=speedup_on(lane, vanilla, no_loop),
         gain_captured=(speedup - 1) / headroom if headroom > 1e-9 else None,
         agreement=agreement.agreement, exact_prefix=exact_prefix(vanilla.outputs, lane.outputs),
         identical=float(np.mean(identical)), identical_by_category=identical_by_category,

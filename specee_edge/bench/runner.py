@@ -49,6 +49,7 @@ class VanillaLane:
         self._rng = np.random.default_rng(0)
 
     def start(self, prompt: Sequence[int]) -> None:
+        self.timing.begin_prompt()
         self.llm.reset()
         self.llm.eval(prompt)
         self._rng = np.random.default_rng(prompt_sampling(self.sampling, len(self.outputs)).seed)
@@ -94,6 +95,7 @@ class PeerLane:
 
     def start(self, prompt: Sequence[int]) -> None:
         s = prompt_sampling(self.sampling, len(self.outputs))
+        self.timing.begin_prompt()
         self.llm.reset()
         self.llm.set_seed(s.seed or 0)
         self._tokens = self.llm.generate(list(prompt), top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
@@ -134,6 +136,7 @@ class SpecEELane:
     _stream: Iterator[TokenRecord] | None = field(default=None, init=False, repr=False)
 
     def start(self, prompt: Sequence[int]) -> None:
+        self.timing.begin_prompt()
         self.engine.reset()  # every lane starts each prompt from an empty cache
         self._stream = self.engine.stream(prompt, max_tokens=self.max_tokens,
                                           sampling=prompt_sampling(self.sampling, len(self.records)))

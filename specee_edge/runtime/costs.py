@@ -36,10 +36,23 @@ STOP_FRACTIONS = (0.25, 0.5, 0.75)
 class Timing:
     steps: int = 0
     seconds: float = 0.0
+    by_prompt: list[list[float]] = field(default_factory=list)  # [steps, seconds] of each prompt begun
+
+    def begin_prompt(self) -> None:
+        self.by_prompt.append([0, 0.0])
 
     def add(self, seconds: float) -> None:
         self.steps += 1
         self.seconds += seconds
+        if self.by_prompt:
+            self.by_prompt[-1][0] += 1
+            self.by_prompt[-1][1] += seconds
+
+    def tok_s_on(self, prompts: Sequence[int]) -> float:
+        """Tokens per second over the given prompts (indices in the order they were begun)."""
+        steps = sum(self.by_prompt[i][0] for i in prompts)
+        seconds = sum(self.by_prompt[i][1] for i in prompts)
+        return steps / seconds if seconds else 0.0
 
     @property
     def ms(self) -> float:
