@@ -73,14 +73,27 @@ def test_calibrate_tiny_model_end_to_end(tiny_run):
 
 
 def assert_every_level_decodes(config: CalibrateConfig) -> None:
+    """Each level decodes, and consults its predictors exactly when it has layers on (a level calibration turned
+    off, and an exact level that decodes plainly, run none: `early_exit` alone is true whenever a pack is loaded)."""
     engine = Engine(config.model, pack=config.output, config=EngineConfig(n_ctx=256, n_threads=THREADS))
     try:
         for quality in (*config.levels, EXACT_QUALITY):
             engine.set_quality(quality)
+            level = engine.policy.level
             assert engine.policy.quality == quality and engine.exact == (quality == EXACT_QUALITY)
             engine.reset()
             out = engine.generate("hello world", max_tokens=8, sampling=GREEDY)
-            assert len(out.tokens) >= 1 and out.stats.early_exit
+            assert out.stats.n_decode >= 1
+            checks = not level.off and (not level.exact or level.drafts(greedy=True))
+            assert (out.stats.probes > 0) == checks, (quality, level.off, out.stats.probes)
+    finally:
+        engine.close()
+    # a random tiny model's levels do not pay, so calibration turns them off: one threshold everywhere turns
+    # the pack's predictors on, and they must then be consulted
+    engine = Engine(config.model, pack=config.output, config=EngineConfig(n_ctx=256, n_threads=THREADS, threshold=0.5))
+    try:
+        out = engine.generate("hello world", max_tokens=8, sampling=GREEDY)
+        assert out.stats.n_decode >= 1 and out.stats.probes > 0
     finally:
         engine.close()
 

@@ -90,8 +90,10 @@ class ExitPolicy:
             self.exits = {il: LayerExit(self._override_kind(il), self.pack.threshold) for il in self.predictors}
         if level is not None and self.threshold is None:
             offline = level.offline
-        else:  # one threshold everywhere: every layer any level checks from the start
-            offline = sorted({il for lv in self.pack.levels for il in lv.offline} | set(self.pack.schedule.offline))
+        else:  # one threshold everywhere: every layer any level checks from the start (every predictor's where
+            # none does, as in a pack whose levels calibration all turned off)
+            offline = sorted({il for lv in self.pack.levels for il in lv.offline} | set(self.pack.schedule.offline)
+                             or set(self.predictors))
         schedule = dataclasses.replace(self.pack.schedule, offline=offline)
         # a level turns a layer off (its exit NONE): the schedule never checks it. An explicit threshold
         # keeps every layer on (above 1 that measures the machinery with exits impossible).
