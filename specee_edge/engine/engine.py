@@ -419,9 +419,9 @@ class Engine:
         from the full model's distribution, as in plain decoding, so under sampling the output distribution
         is the full model's exactly; the drafts only decide how many rows one batch checks."""
         t0 = time.perf_counter()
-        # an EOS draft needs no row after it (the reply ends there if it is accepted), unless it is the only
-        # draft: a batch of one row would be a single-token step, which may exit early, not a verification
-        batch = [token, *drafts] if len(drafts) == 1 or not self.model.is_eog(drafts[-1]) else [token, *drafts[:-1]]
+        # every draft gets its row, an EOS one too: dropping it could leave a batch of one row, which llama_decode
+        # runs as a single-token step that may exit early, not as a verification
+        batch = [token, *drafts]
         # the drafted cells are shallow (their skipped layers filled or masked): drop them and recompute
         self._truncate(p)
         self.policy.begin_verify()   # the batch's graph keeps the draft head, which keeps every output row

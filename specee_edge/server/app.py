@@ -270,9 +270,9 @@ class Reply:
 
     def logprobs(self, records: list[TokenRecord]) -> dict | None:
         """OpenAI's logprobs object for these tokens (None when the request asked for none)."""
-        entries = [(r.logprobs, r.id) for r in records if r.logprobs is not None]
         if self.job.n_logprobs is None:
             return None
+        entries = [(r.logprobs, r.id) for r in records if r.logprobs is not None]
         if self.chat:
             return protocol.chat_logprobs(entries, self.piece)
         return protocol.completion_logprobs(entries, self.piece, self.n_chars)

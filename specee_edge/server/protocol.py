@@ -56,7 +56,8 @@ class SamplingFields(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _null_is_the_default(cls, data: Any) -> Any:
+    def _refuse_unsupported_and_drop_nulls(cls, data: Any) -> Any:
+        """A field the server cannot honour is a 400; an explicit null is the field's default."""
         if not isinstance(data, dict):
             return data
         for name, allowed in UNSUPPORTED.items():
