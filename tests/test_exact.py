@@ -17,7 +17,7 @@ from specee_edge.engine import GREEDY, Engine, EngineConfig, SamplingParams
 from specee_edge.engine.records import TokenSource
 from specee_edge.errors import SpecEEError
 from specee_edge.exits import ExitKind
-from specee_edge.pack import EXACT_QUALITY, LayerExit, PackLevelError, parse_quality, read_pack, write_pack
+from specee_edge.pack import EXACT_QUALITY, OFF, LayerExit, PackLevelError, parse_quality, read_pack, write_pack
 from specee_edge.pack.io import PackError
 from specee_edge.runtime import Context, Model
 from tests.conftest import SHIPPED_PACK, tiny_model_path
@@ -174,6 +174,29 @@ def test_prompt_lookup_drafts_rounds_that_repeat_the_context(engine):
     assert stats.lookup_rounds == len(lookup_rounds) > 0 and stats.lookup_rounds < stats.rounds + 1
     # a lookup round decoded no drafting step: its accepted drafts left no layer early
     assert all(r.exit_layer is None for r in records if r.source == TokenSource.ACCEPTED and r.probes == 0)
+    margins = divergence_margins(Context(engine.model, n_ctx=1024, n_threads=2), [prompt], [plain.tokens],
+                                 [[r.id for r in records]])
+    assert all(margin < NEAR_TIE for margin in margins), margins
+
+
+def test_an_exact_level_with_every_exit_off_drafts_from_prompt_lookup_alone(engine, exact_pack):
+    """Calibration's lookup-only candidate: no step probes a layer, every round is a lookup round, a round cut
+    short is rolled back without a draft head, and the answer is vanilla's."""
+    pack = read_pack(exact_pack)
+    lookup_only = dataclasses.replace(pack.level(), exits=dict.fromkeys(pack.predictors, OFF), offline=[], max_draft=2.0)
+    assert lookup_only.off and lookup_only.drafts(greedy=True)
+    prompt = prompt_of(engine, "Repeat exactly, twice: the quick brown fox jumps over the lazy dog.")
+    plain = vanilla(engine, prompt, max_tokens=40, sampling=GREEDY)
+    engine.policy.set_level(lookup_only)
+    try:
+        records = list(engine.stream(prompt, max_tokens=40, sampling=GREEDY))
+        stats = engine.stats
+        assert_cache_holds_the_reply(engine, prompt, [r.id for r in records])
+    finally:
+        engine.set_quality(None)
+        engine.reset()
+    assert stats.probes == 0 and stats.rounds == stats.lookup_rounds > 0
+    assert max(r.round_drafts for r in records) <= 2 and 0 < stats.accepted < stats.drafts
     margins = divergence_margins(Context(engine.model, n_ctx=1024, n_threads=2), [prompt], [plain.tokens],
                                  [[r.id for r in records]])
     assert all(margin < NEAR_TIE for margin in margins), margins

@@ -2,9 +2,11 @@
 stops drafting.
 
 Exact mode cannot change an answer, so its settings are chosen for speed alone, and speed is measured, not
-predicted: each candidate (the exits of one of the pack's lossy levels, a maximum draft length, a stop on
-the drafts' confidence) decodes the calibration prompts beside plain decoding, greedy and sampled, in the
-same run. The best mean of the two speed-ups wins, and its figures are then measured again on held-out
+predicted: each candidate decodes the calibration prompts beside plain decoding, greedy and sampled, in the
+same run. A candidate drafts with the exits of one of the pack's lossy levels (a maximum draft length, a stop
+on the drafts' confidence) and from prompt lookup where the context offers a continuation, or from prompt
+lookup alone (every exit off: no drafting step costs anything, and a round without a continuation is a plain
+token). The best mean of the two speed-ups wins, and its figures are then measured again on held-out
 prompts. The engine drafts greedy or sampled replies only where that beat plain decoding there by more than
 the noise (QualityLevel.drafts); where neither did, the exact level keeps every layer off: it decodes
 plainly, which is exact too.
@@ -30,6 +32,7 @@ from specee_edge.pack.format import DRAFT_GAIN, EXACT_QUALITY
 
 MAX_DRAFTS = (3, 6)           # the longest rounds tried
 DRAFT_STOPS = (0.0, 0.6)       # confidence floors tried (0: a round drafts until a step runs every layer or max_draft)
+LOOKUP_DRAFTS = (2, 4)        # the longest rounds tried with prompt lookup alone (2: llama-cpp-python's advice for CPUs)
 SAMPLED = SamplingParams(seed=0)  # chat's defaults: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05
 FALLBACK_EXIT = LayerExit(ExitKind.HEAD_FREE, 0.5)  # where no lossy level has a layer on
 
@@ -38,7 +41,7 @@ FALLBACK_EXIT = LayerExit(ExitKind.HEAD_FREE, 0.5)  # where no lossy level has a
 class ExactTrial:
     """One candidate's speed-ups against plain decoding of the same prompts in the same run."""
 
-    source_quality: float   # the lossy level whose exits draft
+    source_quality: float | None  # the lossy level whose exits draft (None: none, prompt lookup alone)
     max_draft: int
     draft_stop: float
     speedup: float          # greedy
@@ -83,7 +86,7 @@ class ExactReport:
 
 
 def _cells(t: ExactTrial) -> list[str]:
-    return [f"{t.source_quality:g}", str(t.max_draft), f"{t.draft_stop:g}", f"{t.speedup:.3f}x",
+    return ["lookup only" if t.source_quality is None else f"{t.source_quality:g}", str(t.max_draft), f"{t.draft_stop:g}", f"{t.speedup:.3f}x",
             f"{t.speedup_sampled:.3f}x", f"{t.acceptance:.2f}", f"{t.tokens_per_round:.2f}", f"{t.verify_cost:.2f}"]
 
 
@@ -135,13 +138,16 @@ def measure(engine: Engine, level: QualityLevel, prompts: Sequence[list[int]], t
                       batch_ms / rounds / plain_ms if rounds else 0.0)
 
 
-def exact_candidates(sources: Sequence[QualityLevel]) -> list[tuple[QualityLevel, int, float]]:
-    """(exits, max_draft, draft_stop) to try: every lossy level with a layer on, each with every setting."""
+def exact_candidates(sources: Sequence[QualityLevel], lookup: bool) -> list[tuple[QualityLevel, int, float]]:
+    """(exits, max_draft, draft_stop) to try: every lossy level with a layer on, each with every setting, then
+    (with `lookup`, the pack's prompt lookup) every exit off, drafting from prompt lookup alone."""
     drafting = [source for source in sources if not source.off and not source.exact]
     if not drafting:  # no level exits at all; drafts are checked, so every predictor may draft at an even threshold
         drafting = [dataclasses.replace(sources[0], exits=dict.fromkeys(sources[0].exits, FALLBACK_EXIT),
                                         offline=sorted(sources[0].exits))]
-    return [(source, max_draft, stop) for source in drafting for max_draft in MAX_DRAFTS for stop in DRAFT_STOPS]
+    exits = [(source, max_draft, stop) for source in drafting for max_draft in MAX_DRAFTS for stop in DRAFT_STOPS]
+    no_exits = plain_exact(sources[0])
+    return exits + ([(no_exits, max_draft, 0.0) for max_draft in LOOKUP_DRAFTS] if lookup else [])
 
 
 def choose_exact(engine: Engine, sources: Sequence[QualityLevel], calibration: Sequence[list[int]],
@@ -149,21 +155,25 @@ def choose_exact(engine: Engine, sources: Sequence[QualityLevel], calibration: S
                  ) -> tuple[QualityLevel, ExactReport]:
     """The exact level: the fastest candidate on the calibration prompts, measured again on the held-out ones,
     and left plain (every layer off) unless it pays there."""
-    candidates = exact_candidates(sources)
+    candidates = exact_candidates(sources, lookup=engine.policy.pack.lookup_max_n > 0)
     trials = []
     for source, max_draft, stop in candidates:
         trial = measure(engine, exact_level(source, max_draft, stop), calibration, tokens)
-        trials.append(dataclasses.replace(trial, source_quality=source.quality))
+        trials.append(dataclasses.replace(trial, source_quality=_exits_of(source)))
         advance()
     best = max(range(len(trials)), key=lambda i: trials[i].score)
     source, max_draft, stop = candidates[best]
     level = exact_level(source, max_draft, stop)
-    chosen = dataclasses.replace(measure(engine, level, heldout, tokens), source_quality=source.quality)
+    chosen = dataclasses.replace(measure(engine, level, heldout, tokens), source_quality=_exits_of(source))
     advance()
     level = dataclasses.replace(level, speedup=chosen.speedup, speedup_sampled=chosen.speedup_sampled,
                                 acceptance=chosen.acceptance, tokens_per_round=chosen.tokens_per_round,
                                 verify_cost=chosen.verify_cost)
     return (level if chosen.pays else plain_exact(level)), ExactReport(chosen, chosen.pays, trials)
+
+
+def _exits_of(source: QualityLevel) -> float | None:
+    return None if source.off else source.quality
 
 
 def with_exact(pack: Pack, level: QualityLevel) -> Pack:
@@ -205,4 +215,4 @@ def add_exact_level(model: Path, pack_path: Path, output: Path, *, prompts_path:
 
 def n_trials(pack: Pack) -> int:
     """Engine runs choose_exact makes for `pack` (for a progress bar): each candidate, then the chosen one again."""
-    return len(exact_candidates(pack.levels)) + 1
+    return len(exact_candidates(pack.levels, lookup=pack.lookup_max_n > 0)) + 1

@@ -129,10 +129,13 @@ def _levels_table(pack: Pack) -> Table:
 
 
 def _exits_cell(level: QualityLevel) -> str:
-    if level.off:
+    drafting = level.drafts(greedy=True) or level.drafts(greedy=False)
+    if level.off and not drafting:
         return "none: decodes plainly" + (" (drafting did not pay here)" if level.exact else "")
     parts = [f"drafts up to {level.max_draft:g} a round (stop below confidence {level.draft_stop:g}; accepted "
              f"{level.acceptance:.2f}, {level.tokens_per_round:.2f} tokens a batch) with"] if level.exact else []
+    if level.off:
+        parts.append("prompt lookup alone, every exit off")
     for kind in (ExitKind.VERIFIED, ExitKind.HEAD_FREE):
         layers = [il for il in level.on_layers if level.exits[il].kind == kind]
         if layers:

@@ -451,7 +451,8 @@ class Engine:
         n_keep = p + len(emitted)
         if n_keep < self.ctx.n_past:
             self._truncate(n_keep)
-            self.ctx.draft_from_row(len(emitted) - 1)
+            if not self.policy.idle:  # with every exit off no step drafts, and the batch kept no draft head
+                self.ctx.draft_from_row(len(emitted) - 1)
         first = records[0]
         first.round_drafts = len(drafts)
         first.batch_ms = (t1 - t0) * 1e3

@@ -150,8 +150,9 @@ class QualityLevel:
 
     def drafts(self, greedy: bool) -> bool:
         """Exact mode drafts for this kind of decoding (else it decodes plainly): calibration measured it faster.
-        Sampling accepts fewer drafts than greedy decoding, so the two are measured apart."""
-        return self.exact and not self.off and (self.speedup if greedy else self.speedup_sampled) > DRAFT_GAIN
+        Sampling accepts fewer drafts than greedy decoding, so the two are measured apart. With every layer off
+        the drafts come from prompt lookup alone."""
+        return self.exact and (self.speedup if greedy else self.speedup_sampled) > DRAFT_GAIN
 
     @property
     def thresholds(self) -> dict[int, float]:
