@@ -8,7 +8,7 @@ from llama_cpp import Llama
 
 from specee_edge.engine import GREEDY, Engine, EngineConfig, SamplingParams
 from specee_edge.engine.exit import SHIPPED_PACKS, find_pack
-from specee_edge.engine.sampling import apply_penalties, masks_every_token, sample, token_logprobs
+from specee_edge.engine.sampling import Sampler, masks_every_token, token_logprobs
 from specee_edge.engine.stops import StopMatcher
 from specee_edge.errors import ContextFullError, SpecEEError
 from specee_edge.exits import ExitKind
@@ -86,6 +86,27 @@ def test_early_exit_off_matches_stock_llama(engine, default_model):
         engine.set_early_exit(True)
     assert ours.tokens == stock
     assert ours.stats.exit_rate == 0.0 and ours.stats.avg_exit_layer == engine.n_layer - 1
+
+
+def test_a_seed_samples_the_tokens_stock_llama_samples(engine, default_model):
+    """llama.cpp's own sampler chain: with early exit off, chat's default sampling and a seed draw the reply
+    llama-cpp-python's Llama draws with the same settings and seed."""
+    prompt = default_model.tokenize(CHAT_PROMPT)
+    llm = Llama(model_path=str(default_model.info.path), n_ctx=512, n_threads=2, verbose=False)
+    engine.set_early_exit(False)
+    try:
+        for seed in (1, 2, 3):
+            llm.set_seed(seed)
+            stock = []
+            for token in llm.generate(prompt, temp=0.8, top_k=40, top_p=0.95, min_p=0.05, reset=True):
+                stock.append(token)
+                if len(stock) == 32 or default_model.is_eog(token):
+                    break
+            engine.reset()
+            assert engine.generate(prompt, max_tokens=32, sampling=SamplingParams(seed=seed)).tokens == stock, seed
+    finally:
+        engine.set_early_exit(True)
+        llm.close()
 
 
 def test_exits_happen_and_agree_with_the_full_model(engine):
@@ -292,34 +313,47 @@ def test_a_pack_whose_draft_cannot_end_a_reply_is_refused(default_model, tmp_pat
         Engine(default_model.info.path, pack=path)
 
 
+def draws(params: SamplingParams, logits, n: int = 1, history=()) -> set[int]:
+    """The tokens n draws of llama.cpp's chain take from `logits` (one sampler, each draw accepted)."""
+    sampler = Sampler(params, len(logits), history)
+    try:
+        return {sampler(np.asarray(logits, dtype=np.float32)) for _ in range(n)}
+    finally:
+        sampler.close()
+
+
 def test_sampling_filters():
-    rng = np.random.default_rng(0)
-    logits = np.array([5.0, 4.9, 1.0, -3.0], dtype=np.float32)
-    assert sample(logits, GREEDY, rng) == 0
-    top1 = SamplingParams(temperature=1.0, top_k=1)
-    assert {sample(logits, top1, rng) for _ in range(20)} == {0}
-    min_p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.5)
-    assert {sample(logits, min_p, rng) for _ in range(50)} == {0, 1}
-    # a repeated token is penalized below its rival
-    assert sample(logits, SamplingParams(temperature=0.0, repeat_penalty=1.5), rng, history=[0]) == 1
+    logits = [5.0, 4.9, 1.0, -3.0]
+    assert draws(GREEDY, logits) == {0}
+    assert draws(SamplingParams(temperature=1.0, top_k=1, seed=1), logits, 20) == {0}
+    assert draws(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.5, seed=1), logits, 50) == {0, 1}
+    # a seed draws the same tokens again
+    seeded = SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    runs = [Sampler(seeded, 4) for _ in range(2)]
+    assert [runs[0](np.float32(logits)) for _ in range(30)] == [runs[1](np.float32(logits)) for _ in range(30)]
 
 
 def test_penalties_and_logit_bias_follow_llama_cpp():
-    logits = np.array([2.0, -1.0, 0.5, 0.0], dtype=np.float32)
-    params = SamplingParams(repeat_penalty=2.0, frequency_penalty=0.25, presence_penalty=0.5)
-    # token 0 seen twice, token 1 once: divided (multiplied when negative), less count * 0.25 + 0.5
-    np.testing.assert_allclose(apply_penalties(logits, [0, 1, 0], params), [2 / 2 - 0.5 - 0.5, -2 - 0.25 - 0.5, 0.5, 0])
-    assert list(apply_penalties(logits, [0, 1, 0], SamplingParams(repeat_last_n=1, presence_penalty=1.0))) == [1, -1, 0.5, 0]
-    rng = np.random.default_rng(0)
-    assert sample(logits, SamplingParams(temperature=0.0, logit_bias={2: 5.0}), rng) == 2
-    banned = SamplingParams(temperature=0.0, logit_bias={0: -np.inf})
-    assert sample(logits, banned, rng) == 2
+    logits = [2.0, 1.2, 0.5, -1.0]
+    greedy = lambda **kw: SamplingParams(temperature=0.0, **kw)
+    # a repeated token is divided by the repeat penalty (2 / 2 < 1.2); a negative one multiplied
+    assert draws(greedy(repeat_penalty=2.0), logits, history=[0]) == {1}
+    assert draws(greedy(repeat_penalty=2.0), [-1.0, -1.5, -3.0, -4.0], history=[0]) == {1}
+    # count * frequency + presence: token 0 seen twice loses 2 * 0.25 + 0.5 = 1.0 (1.0 < 1.2)
+    assert draws(greedy(frequency_penalty=0.25, presence_penalty=0.5), logits, history=[0, 0]) == {1}
+    assert draws(greedy(frequency_penalty=0.25, presence_penalty=0.5), logits, history=[0]) == {0}  # 1.25 > 1.2
+    assert draws(greedy(presence_penalty=1.0, repeat_last_n=1), logits, history=[0, 2]) == {0}  # 0 is out of the window
+    # the chain accepts what it draws: a greedy draw penalized repeats no more
+    assert len(draws(greedy(repeat_penalty=10.0), logits, n=3)) == 3
+    assert draws(greedy(logit_bias={2: 5.0}), logits) == {2}
+    assert draws(greedy(logit_bias={0: -np.inf}), logits) == {1}
     head_free = np.full(4, -np.inf, np.float32)
     head_free[[0, 3]] = [1.0, 0.5]  # a head-free exit's logits: the candidates' only
+    assert draws(SamplingParams(seed=1), head_free, 20) <= {0, 3}
     assert masks_every_token(head_free, SamplingParams(logit_bias={0: -np.inf, 3: -np.inf}))
     assert not masks_every_token(head_free, SamplingParams(logit_bias={0: -np.inf}))
     with pytest.raises(SpecEEError, match="bans every token"):
-        sample(head_free, SamplingParams(logit_bias={0: -np.inf, 3: -np.inf}), rng)
+        draws(SamplingParams(logit_bias={0: -np.inf, 3: -np.inf}), head_free)
 
 
 def test_logprobs_are_the_full_distribution():

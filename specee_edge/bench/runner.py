@@ -16,13 +16,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import llama_cpp
-import numpy as np
 from llama_cpp import Llama
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 from specee_edge.engine import GREEDY, Engine, TokenRecord
-from specee_edge.engine.sampling import SamplingParams, sample
+from specee_edge.engine.sampling import Sampler, SamplingParams
 from specee_edge.engine.stops import StopMatcher
 from specee_edge.runtime.costs import Timing
 
@@ -35,7 +33,7 @@ def prompt_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
 
 class VanillaLane:
     """The stock llama-cpp-python path: Llama.eval one token at a time; times eval, the token's text and the
-    stop-string matching. Greedy, or sampled by the engine's sampler (seeded per prompt, untimed)."""
+    stop-string matching. Greedy, or sampled by the engine's sampler, llama.cpp's chain (seeded per prompt, untimed)."""
 
     def __init__(self, llm: Llama, max_tokens: int, is_eog: Callable[[int], bool], sampling: SamplingParams = GREEDY):
         self.llm = llm
@@ -46,21 +44,17 @@ class VanillaLane:
         self.outputs: list[list[int]] = []  # generated tokens, one list per prompt
         self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stops = StopMatcher(())
-        self._rng = np.random.default_rng(0)
+        self._draw = Sampler(sampling, llm.n_vocab())
 
     def start(self, prompt: Sequence[int]) -> None:
         self.timing.begin_prompt()
         self.llm.reset()
         self.llm.eval(prompt)
-        self._rng = np.random.default_rng(prompt_sampling(self.sampling, len(self.outputs)).seed)
-        self.outputs.append([self._next_token()])
+        self._draw.close()
+        self._draw = Sampler(prompt_sampling(self.sampling, len(self.outputs)), self.llm.n_vocab(), prompt)
+        self.outputs.append([self._draw.from_context(self.llm.ctx)])
         self._text.reset()
         self._stops = StopMatcher(())
-
-    def _next_token(self) -> int:
-        # Llama.eval keeps no scores without logits_all: read the last token's logits from llama.cpp
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),))
-        return sample(logits, self.sampling, self._rng)
 
     def next_input(self) -> int | None:
         """The token the next step feeds, or None when this prompt's answer is complete."""
@@ -74,7 +68,7 @@ class VanillaLane:
         self._stops.feed(self._text.decode(self.llm.detokenize([token])))
         self.llm.eval([token])
         self.timing.add(time.perf_counter() - start)
-        self.outputs[-1].append(self._next_token())
+        self.outputs[-1].append(self._draw.from_context(self.llm.ctx))
 
 
 class PeerLane:

@@ -17,7 +17,7 @@ import numpy as np
 
 from specee_edge.data.prompts import Prompt
 from specee_edge.engine import GREEDY, Engine, EngineConfig
-from specee_edge.engine.sampling import SamplingParams, sample
+from specee_edge.engine.sampling import Sampler, SamplingParams
 from specee_edge.runtime.weights import rms_scaled_f16
 
 SAMPLED = SamplingParams(temperature=0.8)  # rounds after the first: llama.cpp's default sampler
@@ -78,19 +78,19 @@ class Collector:
         text = engine.format_prompt(prompt.text)
         tokens = engine.tokenize(text)
         start = len(tokens) - 1
-        rng = np.random.default_rng(sampling.seed)
+        draw = Sampler(sampling, engine.model.info.n_vocab, tokens)
         ctx.decode(tokens, output_all=True)  # else the last layer keeps only the last row
         hidden = [self._captured()[-2:]]  # positions start-1 and start
         final_top1 = []
         for n in range(self.max_answer):
-            logits = ctx.logits()
-            final_top1.append(int(np.argmax(logits)))
-            token = sample(logits, sampling, rng, tokens)
+            final_top1.append(int(np.argmax(ctx.logits())))
+            token = draw.from_context(ctx.handle)
             tokens.append(token)
             if engine.model.is_eog(token) or n == self.max_answer - 1 or len(tokens) >= ctx.n_ctx:
                 break  # the last token's hidden state predicts nothing we keep
             ctx.decode([token])
             hidden.append(self._captured())
+        draw.close()
         return Shard(index, np.asarray(tokens, dtype=np.int32), start, np.concatenate(hidden),
                      np.asarray(final_top1[: len(tokens) - 1 - start], dtype=np.int32))
 

@@ -203,6 +203,16 @@ class Engine:
         logits = self.ctx.logits()
         return logits if temperature == 1.0 else logits / np.float32(temperature)
 
+    def _draw(self, draw: Sampler) -> int:
+        """The next token from the last step's logits: read in place by llama.cpp's sampler, unless an exit's
+        temperature rescales them, or the request's bias bans every candidate of a head-free exit (then from
+        the exit layer's full head)."""
+        if masks_every_token(self.ctx.logits(), draw.params):
+            return draw(self.full_logits())
+        if self.temperature() != 1.0:
+            return draw(self.logits())
+        return draw.from_context(self.ctx.handle)
+
     def full_logits(self) -> np.ndarray:
         """logits(), except after a head-free exit: the exit layer's full-vocabulary logits, computed now
         (the step skipped them; what perplexity needs, not what decoding pays), divided alike."""
@@ -244,8 +254,12 @@ class Engine:
                 f"the prompt ({len(tokens)} tokens) does not fit the context of {self.ctx.n_ctx}"
                 " (use a larger -c/--ctx-size or a shorter prompt)"
             )
-        with threadpool_limits(limits=1, user_api="blas"):
-            yield from self._stream(tokens, max_tokens, Sampler(sampling, tokens, logprobs), stop, cancel)
+        draw = Sampler(sampling, self.model.info.n_vocab, tokens, logprobs)
+        try:
+            with threadpool_limits(limits=1, user_api="blas"):
+                yield from self._stream(tokens, max_tokens, draw, stop, cancel)
+        finally:
+            draw.close()
 
     @property
     def exact(self) -> bool:
@@ -257,7 +271,7 @@ class Engine:
         stats = self.stats = GenerationStats(self.n_layer, self.early_exit, n_prompt=len(tokens))
         stops = StopMatcher(stop)
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        history = draw.history  # the prompt and the reply so far (the penalties' window)
+        history = list(tokens)  # the prompt and the reply so far
         source: Iterator[TokenRecord] | None = None
         n_emitted = 0
         try:
@@ -327,10 +341,7 @@ class Engine:
         record = TokenRecord(-1, "", None, 0, 0, None)  # the first token comes from the prompt's logits
         while True:
             t_sample = time.perf_counter()
-            logits = self.logits()
-            if masks_every_token(logits, draw.params):  # a head-free exit whose candidates the bias bans
-                logits = self.full_logits()
-            token = record.id = draw(logits)
+            token = record.id = self._draw(draw)
             record.sample_ms = (time.perf_counter() - t_sample) * 1e3
             if draw.n_logprobs is not None:  # the model's distribution, never the candidates' alone
                 record.logprobs = draw.logprobs(self.full_logits(), token)
@@ -346,10 +357,9 @@ class Engine:
     def _exact_records(self, draw: Sampler, max_tokens: int) -> Iterator[TokenRecord]:
         """Exact mode: rounds of drafts that the full model verifies; every emitted token is its own."""
         t_sample = time.perf_counter()
-        logits = self.logits()  # the prompt's logits are the full model's
-        token = draw(logits)
+        token = self._draw(draw)  # from the prompt's logits, the full model's
         yield TokenRecord(token, "", None, 0, 0, None, sample_ms=(time.perf_counter() - t_sample) * 1e3,
-                          logprobs=draw.logprobs(logits, token))
+                          logprobs=draw.logprobs(self.logits(), token))
         n_emitted = 1
         while True:
             for record in self._round(token, draw, max_tokens - n_emitted):
@@ -387,10 +397,9 @@ class Engine:
             steps.append(step)
             if step.exit_layer is None and not drafts:  # the full model's own step: no round
                 t_sample = time.perf_counter()
-                logits = self.logits()
-                step.id = draw(logits)
+                step.id = self._draw(draw)
                 step.sample_ms = (time.perf_counter() - t_sample) * 1e3
-                step.logprobs = draw.logprobs(logits, step.id)
+                step.logprobs = draw.logprobs(self.logits(), step.id)
                 return [step]
             logits = self.ctx.logits()
             drafts.append(int(np.argmax(logits)))
@@ -432,19 +441,19 @@ class Engine:
         emitted: list[int] = []
         records: list[TokenRecord] = []
         for row in range(len(batch)):
-            logits = self.ctx.logits(row)
-            t = draw(logits, emitted)
+            t = draw.from_context(self.ctx.handle, row)
             emitted.append(t)
             if row < len(drafts) and t == drafts[row]:
                 record = steps[row]  # the draft's own step: its exit layer, probes and time
                 record.id, record.source = t, TokenSource.ACCEPTED
-                record.logprobs = draw.logprobs(logits, t)
+                record.logprobs = draw.logprobs(self.ctx.logits(row), t)
                 records.append(record)
                 if self.model.is_eog(t):
                     break
                 continue
             source = TokenSource.BONUS if row == len(drafts) else TokenSource.CORRECTION
-            records.append(TokenRecord(t, "", None, 0, 0, None, source=source, logprobs=draw.logprobs(logits, t)))
+            records.append(TokenRecord(t, "", None, 0, 0, None, source=source,
+                                       logprobs=draw.logprobs(self.ctx.logits(row), t)))
             break
         # the cache keeps `token` and every emitted token but the last; the next draft reads the hidden
         # state of the row that emitted that one

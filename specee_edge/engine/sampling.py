@@ -1,13 +1,15 @@
-"""Token sampling on one step's logits (the exit layer's or the last layer's), llama.cpp's chain order.
+"""Token sampling on one step's logits (the exit layer's or the last layer's), by llama.cpp's own sampler chain.
 
 logit bias -> penalties -> top-k -> top-p -> min-p -> temperature -> draw. Temperature <= 0 is greedy.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import llama_cpp
 import numpy as np
 
 from specee_edge.errors import SpecEEError
@@ -49,55 +51,12 @@ def apply_logit_bias(logits: np.ndarray, bias: Mapping[int, float]) -> np.ndarra
     return logits
 
 
-def apply_penalties(logits: np.ndarray, history: Sequence[int], params: SamplingParams) -> np.ndarray:
-    """llama.cpp's llama_sampler_penalties: each token seen in the window is divided by the repeat penalty
-    (multiplied where negative), then lowered by its count times the frequency penalty plus the presence
-    penalty."""
-    if not params.penalized or not history or params.repeat_last_n == 0:
-        return logits
-    ids, counts = np.unique(np.asarray(history[-params.repeat_last_n:], dtype=np.int64), return_counts=True)
-    logits = logits.copy()
-    picked = logits[ids]
-    picked = np.where(picked > 0, picked / params.repeat_penalty, picked * params.repeat_penalty)
-    logits[ids] = picked - counts * params.frequency_penalty - params.presence_penalty
-    return logits
-
-
 def masks_every_token(logits: np.ndarray, params: SamplingParams) -> bool:
     """Whether the request's logit bias leaves none of `logits` finite (as after a head-free exit, whose
     candidates it may all ban): the caller must find full-vocabulary logits to sample from."""
     if not params.logit_bias:
         return False
     return not np.isfinite(apply_logit_bias(np.asarray(logits, dtype=np.float32), params.logit_bias)).any()
-
-
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history: Sequence[int] = ()) -> int:
-    logits = np.asarray(logits, dtype=np.float32)
-    if params.logit_bias:  # only a bias can leave no token (a head-free exit's candidates are finite)
-        logits = apply_logit_bias(logits, params.logit_bias)
-        if not np.isfinite(logits.max()):
-            raise SpecEEError("logit_bias bans every token: nothing is left to sample")
-    logits = apply_penalties(logits, history, params)
-    if params.greedy:
-        return int(np.argmax(logits))
-
-    # candidates sorted by logit, best first; top-k bounds the sort
-    k = params.top_k if 0 < params.top_k < len(logits) else len(logits)
-    ids = np.argpartition(logits, -k)[-k:] if k < len(logits) else np.arange(len(logits))
-    ids = ids[np.argsort(-logits[ids], kind="stable")]
-    z = logits[ids].astype(np.float64)
-    probs = np.exp(z - z[0])
-    probs /= probs.sum()
-
-    if params.top_p < 1.0:  # the smallest prefix whose mass reaches top_p
-        keep = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1
-        ids, z, probs = ids[:keep], z[:keep], probs[:keep]
-    if params.min_p > 0.0:  # probs[0] is the largest
-        keep = probs >= params.min_p * probs[0]
-        ids, z = ids[keep], z[keep]
-
-    p = np.exp((z - z[0]) / params.temperature)
-    return int(rng.choice(ids, p=p / p.sum()))
 
 
 @dataclass
@@ -119,21 +78,84 @@ def token_logprobs(logits: np.ndarray, token: int, n: int) -> TokenLogprobs:
     return TokenLogprobs(float(log_probs[token]), [(int(t), float(log_probs[t])) for t in top])
 
 
+# llama_token_data as numpy lays it out, to hand llama.cpp an array of candidates without a copy per element
+TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
+assert TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
+
+
+def sampler_chain(params: SamplingParams, n_vocab: int) -> llama_cpp.llama_sampler_p:
+    """llama.cpp's chain for `params`, in the order of llama-cpp-python's Llama (a seed of None: a random one)."""
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    add = lambda sampler: llama_cpp.llama_sampler_chain_add(chain, sampler)
+    if params.logit_bias:
+        bias = (llama_cpp.llama_logit_bias * len(params.logit_bias))(
+            *(llama_cpp.llama_logit_bias(token, value) for token, value in params.logit_bias.items()))
+        add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), bias))
+    if params.penalized:
+        add(llama_cpp.llama_sampler_init_penalties(n_vocab, params.repeat_last_n, params.repeat_penalty,
+                                                   params.frequency_penalty, params.presence_penalty))
+    if params.greedy:
+        add(llama_cpp.llama_sampler_init_greedy())
+        return chain
+    add(llama_cpp.llama_sampler_init_top_k(params.top_k))
+    add(llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
+    add(llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
+    add(llama_cpp.llama_sampler_init_temp(params.temperature))
+    seed = llama_cpp.LLAMA_DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
+    add(llama_cpp.llama_sampler_init_dist(seed))
+    return chain
+
+
 class Sampler:
-    """One request's draws: its sampling, a generator seeded once, and the tokens the penalties look back on
-    (the prompt, then the reply as the caller appends it)."""
+    """One request's draws, through llama.cpp's sampler chain: what llama-cpp-python's Llama samples with, so a
+    seed draws the same tokens from the same logits. The chain accepts each drawn token, which its penalties
+    look back on after the prompt; tokens that are never drawn (exact mode's drafts) never enter it.
+    Greedy decoding with no bias and no penalty needs no chain: an argmax."""
 
-    def __init__(self, params: SamplingParams, prompt: Sequence[int], n_logprobs: int | None = None):
+    def __init__(self, params: SamplingParams, n_vocab: int, prompt: Sequence[int] = (),
+                 n_logprobs: int | None = None):
         self.params = params
-        self.rng = np.random.default_rng(params.seed)
-        self.history = list(prompt)
+        self.n_vocab = n_vocab
         self.n_logprobs = n_logprobs
+        self._chain = None
+        if params.greedy and not params.penalized and not params.logit_bias:
+            return
+        self._chain = sampler_chain(params, n_vocab)
+        if params.penalized and params.repeat_last_n:
+            for token in prompt[-params.repeat_last_n:]:
+                llama_cpp.llama_sampler_accept(self._chain, token)
 
-    def __call__(self, logits: np.ndarray, pending: Sequence[int] = ()) -> int:
-        """The next token from `logits`, `pending` tokens after the reply so far."""
-        window = [*self.history, *pending] if pending and self.params.penalized else self.history
-        return sample(logits, self.params, self.rng, window)
+    def from_context(self, ctx: llama_cpp.llama_context_p, row: int = -1) -> int:
+        """The next token from a llama_context's logits of output `row` (the last decode's), read in place."""
+        if self._chain is not None and not self.params.logit_bias:
+            return llama_cpp.llama_sampler_sample(self._chain, ctx, row)  # accepts the token too
+        ptr = llama_cpp.llama_get_logits_ith(ctx, row)
+        return self(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)))
+
+    def __call__(self, logits: np.ndarray) -> int:
+        """The next token from full-vocabulary `logits` (a head-free exit's: finite for its candidates only,
+        which are all the chain is handed)."""
+        if self._chain is None:
+            return int(np.argmax(logits))
+        if masks_every_token(logits, self.params):
+            raise SpecEEError("logit_bias bans every token: nothing is left to sample")
+        ids = np.flatnonzero(logits > -np.inf)
+        data = np.empty(len(ids), TOKEN_DATA)
+        data["id"], data["logit"], data["p"] = ids, logits[ids], 0.0
+        array = llama_cpp.llama_token_data_array(data.ctypes.data_as(llama_cpp.llama_token_data_p), len(ids), -1, False)
+        llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(array))
+        token = int(array.data[array.selected].id)
+        llama_cpp.llama_sampler_accept(self._chain, token)
+        return token
 
     def logprobs(self, logits: np.ndarray, token: int) -> TokenLogprobs | None:
         """None unless the request asked for log-probabilities."""
         return None if self.n_logprobs is None else token_logprobs(logits, token, self.n_logprobs)
+
+    def close(self) -> None:
+        if self._chain is not None:
+            llama_cpp.llama_sampler_free(self._chain)
+            self._chain = None
+
+    def __del__(self) -> None:
+        self.close()

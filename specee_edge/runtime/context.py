@@ -324,6 +324,11 @@ class Context:
     # --- decoding ----------------------------------------------------------------------------
 
     @property
+    def handle(self) -> _llama.llama_context_p:
+        """The llama_context, for llama.cpp's sampler chain to read logits from."""
+        return self._ctx
+
+    @property
     def n_past(self) -> int:
         return _llama.llama_memory_seq_pos_max(self._mem, SEQ) + 1
 
