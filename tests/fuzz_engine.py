@@ -114,6 +114,7 @@ def write_multilayer_pack(model_path: Path, out: Path) -> Path:
                                 offline=list(MULTI_OFFLINE), max_draft=0.0, draft_stop=0.0)
     # exact mode drafting with the same exits, head-free, in rounds of up to 4 drafts
     exact = dataclasses.replace(lossy, quality=EXACT_QUALITY, max_draft=4.0, speedup=2.0, speedup_sampled=2.0,
+                                speedup_low=1.5, speedup_sampled_low=1.5,
                                 exits={il: LayerExit(ExitKind.HEAD_FREE, threshold) for il in MULTI_LAYERS})
     multi = dataclasses.replace(
         pack, predictors={il: mlp for il in MULTI_LAYERS}, temperatures={},

@@ -53,7 +53,8 @@ def two_level_pack(tmp_path_factory) -> Path:
     path = write_two_level_pack(tmp_path_factory.mktemp("pack") / "two.specee.gguf")
     pack = read_pack(path)
     loose = pack.level(LOOSE)
-    exact = dataclasses.replace(loose, quality=EXACT_QUALITY, max_draft=4.0, speedup=2.0, speedup_sampled=2.0)
+    exact = dataclasses.replace(loose, quality=EXACT_QUALITY, max_draft=4.0, speedup=2.0, speedup_sampled=2.0,
+                                speedup_low=1.5, speedup_sampled_low=1.5)
     return write_pack(path, dataclasses.replace(pack, levels=[*pack.levels, exact]))
 
 

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from specee_edge.calibrate import CalibrateConfig, calibrate
 from specee_edge.calibrate.draft_fit import draft_vocabulary
+from specee_edge.calibrate.exact import speedup_of
 from specee_edge.data.prompts import bench_prompts, load_prompts, split
 from specee_edge.cli import app
 from specee_edge.engine import GREEDY, Engine, EngineConfig
@@ -55,7 +56,12 @@ def test_calibrate_tiny_model_end_to_end(tiny_run):
     # exact mode is the default: it drafts where that was measured faster than plain decoding, else decodes plainly
     exact = pack.level()
     assert pack.default_quality == EXACT_QUALITY and exact.exact
-    assert (exact.off and report.exact.chosen.speedup <= 1.03) or (exact.speedup > 1.0 and exact.acceptance > 0)
+    chosen = report.exact.chosen
+    drafts = exact.drafts(greedy=True) or exact.drafts(greedy=False)
+    assert drafts == report.exact.on == chosen.pays
+    assert drafts or exact.off  # where drafting did not pay beyond its noise, every layer is off
+    for speedup, low in ((chosen.speedup, exact.speedup_low), (chosen.speedup_sampled, exact.speedup_sampled_low)):
+        assert speedup.low <= speedup.point <= speedup.high and low == pytest.approx(speedup.low)
     assert report.exact.trials and stored["exact"]["chosen"]["max_draft"] == exact.max_draft
     assert set(pack.temperatures) == set(pack.predictors)
     assert max(pack.predictors) == pack.target.n_layer - 1  # the last layer's predictor: the head skip
@@ -161,3 +167,13 @@ def test_features_match_the_definition():
     assert np.allclose(features, np.concatenate([z, p, p]))
     features2, _ = probe_features(z + 1.0, p * 0.5)
     assert np.allclose(features2[8:], p - p * 0.5)
+
+
+def test_a_speedup_interval_resamples_the_prompts():
+    same = [(64, 1.0)] * 6
+    twice = speedup_of(same, [(64, 0.5)] * 6)
+    assert (twice.point, twice.low, twice.high) == pytest.approx((2.0, 2.0, 2.0))
+    # one prompt much faster, the rest a little slower: the mean gains, its interval straddles 1
+    mixed = speedup_of(same, [(64, 0.4)] + [(64, 1.05)] * 5)
+    assert mixed.point > 1.0 and mixed.low < 1.0 < mixed.high
+    assert mixed == speedup_of(same, [(64, 0.4)] + [(64, 1.05)] * 5)  # seeded: the same interval again

@@ -31,7 +31,8 @@ def exact_level_of(pack, max_draft: int = 6, threshold: float = 0.3):
     """An exact level drafting with head-free exits on every predictor layer above `threshold`."""
     exits = {il: LayerExit(ExitKind.HEAD_FREE, threshold) for il in pack.predictors}
     return dataclasses.replace(pack.levels[0], quality=EXACT_QUALITY, exits=exits, offline=sorted(pack.predictors),
-                               max_draft=float(max_draft), speedup=2.0, speedup_sampled=2.0)  # drafts both ways
+                               max_draft=float(max_draft), speedup=2.0, speedup_sampled=2.0,
+                               speedup_low=1.5, speedup_sampled_low=1.5)  # drafts both ways
 
 
 @pytest.fixture(scope="module")

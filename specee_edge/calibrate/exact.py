@@ -3,13 +3,14 @@ stops drafting.
 
 Exact mode cannot change an answer, so its settings are chosen for speed alone, and speed is measured, not
 predicted: each candidate decodes the calibration prompts beside plain decoding, greedy and sampled, in the
-same run. A candidate drafts with the exits of one of the pack's lossy levels (a maximum draft length, a stop
-on the drafts' confidence) and from prompt lookup where the context offers a continuation, or from prompt
-lookup alone (every exit off: no drafting step costs anything, and a round without a continuation is a plain
-token). The best mean of the two speed-ups wins, and its figures are then measured again on held-out
-prompts. The engine drafts greedy or sampled replies only where that beat plain decoding there by more than
-the noise (QualityLevel.drafts); where neither did, the exact level keeps every layer off: it decodes
-plainly, which is exact too.
+same run, each prompt by both in turn (in alternating order, so that a drift of the machine's speed falls on
+both). A candidate drafts with the exits of one of the pack's lossy levels (a maximum draft length, a stop on
+the drafts' confidence) and from prompt lookup where the context offers a continuation, or from prompt lookup
+alone (every exit off: no drafting step costs anything, and a round without a continuation is a plain token).
+The best mean of the two speed-ups wins, and its figures are then measured again on held-out prompts, with a
+95% bootstrap interval over the prompts. The engine drafts greedy or sampled replies only where that interval
+lies above 1 (QualityLevel.drafts): a gain smaller than its own noise does not count. Where neither does, the
+exact level keeps every layer off: it decodes plainly, which is exact too.
 """
 
 from __future__ import annotations
@@ -20,21 +21,49 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 from rich.table import Table
 from threadpoolctl import threadpool_limits
 
 from specee_edge.data.prompts import CALIBRATION_SPLIT, Prompt, load_prompts, split
 from specee_edge.engine import Engine, EngineConfig
+from specee_edge.engine.records import GenerationStats
 from specee_edge.engine.sampling import GREEDY, SamplingParams
 from specee_edge.exits import ExitKind
 from specee_edge.pack import OFF, LayerExit, Pack, QualityLevel, read_pack, write_pack
-from specee_edge.pack.format import DRAFT_GAIN, EXACT_QUALITY
+from specee_edge.pack.format import EXACT_QUALITY
 
 MAX_DRAFTS = (3, 6)           # the longest rounds tried
 DRAFT_STOPS = (0.0, 0.6)       # confidence floors tried (0: a round drafts until a step runs every layer or max_draft)
 LOOKUP_DRAFTS = (2, 4)        # the longest rounds tried with prompt lookup alone (2: llama-cpp-python's advice for CPUs)
 SAMPLED = SamplingParams(seed=0)  # chat's defaults: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05
 FALLBACK_EXIT = LayerExit(ExitKind.HEAD_FREE, 0.5)  # where no lossy level has a layer on
+BOOTSTRAP = 2000              # resamples of the prompts behind a speed-up's interval
+
+
+@dataclass
+class Speedup:
+    """Tokens per second against plain decoding's on the same prompts: the point, and a 95% bootstrap interval
+    that resamples the prompts (each keeps its pair of timings)."""
+
+    point: float
+    low: float
+    high: float
+
+    def __str__(self) -> str:
+        return f"{self.point:.3f}x ({self.low:.2f}-{self.high:.2f})"
+
+
+def speedup_of(plain: Sequence[tuple[int, float]], exact: Sequence[tuple[int, float]], seed: int = 0) -> Speedup:
+    """`plain` and `exact`: (tokens, seconds) per prompt, in the same order."""
+    (n_plain, s_plain), (n_exact, s_exact) = (np.array(lane, dtype=float).T for lane in (plain, exact))
+
+    def ratio(rows: np.ndarray) -> np.ndarray:
+        return (n_exact[rows].sum(-1) / s_exact[rows].sum(-1)) / (n_plain[rows].sum(-1) / s_plain[rows].sum(-1))
+
+    resampled = ratio(np.random.default_rng(seed).integers(0, len(plain), (BOOTSTRAP, len(plain))))
+    low, high = np.percentile(resampled, [2.5, 97.5])
+    return Speedup(float(ratio(np.arange(len(plain)))), float(low), float(high))
 
 
 @dataclass
@@ -44,21 +73,21 @@ class ExactTrial:
     source_quality: float | None  # the lossy level whose exits draft (None: none, prompt lookup alone)
     max_draft: int
     draft_stop: float
-    speedup: float          # greedy
-    speedup_sampled: float
+    speedup: Speedup        # greedy
+    speedup_sampled: Speedup
     acceptance: float       # drafted tokens the full model accepted, greedy
     tokens_per_round: float
     verify_cost: float      # one verification batch against one plain token, greedy
 
     @property
     def score(self) -> float:
-        return (self.speedup + self.speedup_sampled) / 2
+        return (self.speedup.point + self.speedup_sampled.point) / 2
 
     @property
     def pays(self) -> bool:
-        """Faster than plain decoding by more than the noise, greedy or sampled (the engine drafts for each kind
-        of decoding only where it paid: QualityLevel.drafts)."""
-        return max(self.speedup, self.speedup_sampled) > DRAFT_GAIN
+        """Faster than plain decoding beyond the noise, greedy or sampled (the engine drafts for each kind of
+        decoding only where it paid: QualityLevel.drafts)."""
+        return self.speedup.low > 1.0 or self.speedup_sampled.low > 1.0
 
 
 @dataclass
@@ -72,9 +101,10 @@ class ExactReport:
 
     def render(self) -> Table:
         c = self.chosen
-        verdict = ("exact mode decodes plainly: drafting was not faster than plain decoding here" if not self.on else
-                   f"exact mode drafts {' and '.join(kind for kind, gain in (('greedy', c.speedup), ('sampled', c.speedup_sampled)) if gain > DRAFT_GAIN)}"
-                   f" (faster than plain decoding by more than {DRAFT_GAIN - 1:.0%} on held-out prompts), else decodes plainly")
+        verdict = ("exact mode decodes plainly: drafting was not faster than plain decoding beyond the noise here"
+                   if not self.on else
+                   f"exact mode drafts {' and '.join(kind for kind, gain in (('greedy', c.speedup), ('sampled', c.speedup_sampled)) if gain.low > 1)}"
+                   " (faster than plain decoding on held-out prompts, the whole 95% interval above 1), else decodes plainly")
         table = Table(title="exact mode: speed-ups against plain decoding in the same run, on calibration prompts; "
                             "the chosen candidate again on held-out prompts", caption=verdict)
         for column in ("", "exits of", "max draft", "stop", "greedy", "sampled", "accepted", "tokens/round", "batch cost"):
@@ -86,15 +116,15 @@ class ExactReport:
 
 
 def _cells(t: ExactTrial) -> list[str]:
-    return ["lookup only" if t.source_quality is None else f"{t.source_quality:g}", str(t.max_draft), f"{t.draft_stop:g}", f"{t.speedup:.3f}x",
-            f"{t.speedup_sampled:.3f}x", f"{t.acceptance:.2f}", f"{t.tokens_per_round:.2f}", f"{t.verify_cost:.2f}"]
+    return ["lookup only" if t.source_quality is None else f"{t.source_quality:g}", str(t.max_draft), f"{t.draft_stop:g}",
+            str(t.speedup), str(t.speedup_sampled), f"{t.acceptance:.2f}", f"{t.tokens_per_round:.2f}", f"{t.verify_cost:.2f}"]
 
 
 def exact_level(source: QualityLevel, max_draft: int, draft_stop: float) -> QualityLevel:
     """The exact level drafting with `source`'s exits, greedy and sampled (its speed is not measured yet)."""
     return dataclasses.replace(source, quality=EXACT_QUALITY, max_draft=float(max_draft), draft_stop=draft_stop,
                                agreement=1.0, identical=1.0, identical_code=-1.0, speedup=math.inf,
-                               speedup_sampled=math.inf)
+                               speedup_sampled=math.inf, speedup_low=math.inf, speedup_sampled_low=math.inf)
 
 
 def plain_exact(level: QualityLevel) -> QualityLevel:
@@ -103,36 +133,38 @@ def plain_exact(level: QualityLevel) -> QualityLevel:
                                head_free_rate=0.0, layer_speedup=1.0)
 
 
-def _decode(engine: Engine, prompts: Sequence[list[int]], tokens: int, sampling: SamplingParams) -> tuple[float, int, list]:
-    """Seconds of decoding (prompt passes excluded), tokens decoded, and each answer's stats."""
-    seconds, n, stats = 0.0, 0, []
-    for i, prompt in enumerate(prompts):
-        engine.reset()
-        seeded = sampling if sampling.greedy else dataclasses.replace(sampling, seed=i)
-        engine.generate(prompt, max_tokens=tokens, sampling=seeded)
-        seconds += engine.stats.decode_s
-        n += engine.stats.n_decode
-        stats.append(engine.stats)
-    return seconds, n, stats
+def _decode(engine: Engine, prompt: list[int], tokens: int, sampling: SamplingParams, exact: bool,
+            level: QualityLevel) -> tuple[int, float, GenerationStats]:
+    """One answer, plain or exact: tokens decoded, seconds of decoding (the prompt pass excluded), its stats."""
+    engine.set_early_exit(exact)
+    if exact:
+        engine.policy.set_level(level)
+    engine.reset()
+    engine.generate(prompt, max_tokens=tokens, sampling=sampling)
+    return engine.stats.n_decode, engine.stats.decode_s, engine.stats
 
 
 def measure(engine: Engine, level: QualityLevel, prompts: Sequence[list[int]], tokens: int) -> ExactTrial:
-    """`level` (exact) against plain decoding of the same prompts, greedy then sampled."""
-    speed: dict[str, float] = {}
-    accepted = drafts = rounds = round_tokens = 0
-    batch_ms = plain_ms = 0.0
+    """`level` (exact) against plain decoding of the same prompts, greedy then sampled (prompt i seeded i); each
+    prompt by both, first plain then exact, then the other way round for the next."""
+    speed: dict[str, Speedup] = {}
+    greedy_stats: list[GenerationStats] = []
+    plain_ms = 0.0
     for name, sampling in (("greedy", GREEDY), ("sampled", SAMPLED)):
-        engine.set_early_exit(False)
-        t_plain, n_plain, _ = _decode(engine, prompts, tokens, sampling)
-        engine.set_early_exit(True)
-        engine.policy.set_level(level)
-        t_exact, n_exact, stats = _decode(engine, prompts, tokens, sampling)
-        speed[name] = (n_exact / t_exact) / (n_plain / t_plain)
+        plain, exact = [], []
+        for i, prompt in enumerate(prompts):
+            seeded = sampling if sampling.greedy else dataclasses.replace(sampling, seed=i)
+            for is_exact in ((False, True) if i % 2 == 0 else (True, False)):
+                n, seconds, stats = _decode(engine, prompt, tokens, seeded, is_exact, level)
+                (exact if is_exact else plain).append((n, seconds))
+                if is_exact and name == "greedy":
+                    greedy_stats.append(stats)
+        speed[name] = speedup_of(plain, exact)
         if name == "greedy":
-            accepted, drafts = sum(s.accepted for s in stats), sum(s.drafts for s in stats)
-            rounds, round_tokens = sum(s.rounds for s in stats), sum(s.round_tokens for s in stats)
-            batch_ms = sum(s.time_ms["batch"] for s in stats)
-            plain_ms = t_plain * 1e3 / n_plain
+            plain_ms = sum(s for _, s in plain) * 1e3 / sum(n for n, _ in plain)
+    accepted, drafts = sum(s.accepted for s in greedy_stats), sum(s.drafts for s in greedy_stats)
+    rounds, round_tokens = sum(s.rounds for s in greedy_stats), sum(s.round_tokens for s in greedy_stats)
+    batch_ms = sum(s.time_ms["batch"] for s in greedy_stats)
     return ExactTrial(level.quality, int(level.max_draft), level.draft_stop, speed["greedy"], speed["sampled"],
                       accepted / drafts if drafts else 0.0, round_tokens / rounds if rounds else 0.0,
                       batch_ms / rounds / plain_ms if rounds else 0.0)
@@ -166,7 +198,8 @@ def choose_exact(engine: Engine, sources: Sequence[QualityLevel], calibration: S
     level = exact_level(source, max_draft, stop)
     chosen = dataclasses.replace(measure(engine, level, heldout, tokens), source_quality=_exits_of(source))
     advance()
-    level = dataclasses.replace(level, speedup=chosen.speedup, speedup_sampled=chosen.speedup_sampled,
+    level = dataclasses.replace(level, speedup=chosen.speedup.point, speedup_sampled=chosen.speedup_sampled.point,
+                                speedup_low=chosen.speedup.low, speedup_sampled_low=chosen.speedup_sampled.low,
                                 acceptance=chosen.acceptance, tokens_per_round=chosen.tokens_per_round,
                                 verify_cost=chosen.verify_cost)
     return (level if chosen.pays else plain_exact(level)), ExactReport(chosen, chosen.pays, trials)

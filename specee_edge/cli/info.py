@@ -119,11 +119,15 @@ def _levels_table(pack: Pack) -> Table:
         speed = f"{level.speedup:.3f}x"
         if level.exact:  # the full model's own answers: agreement 1 by construction, speed measured end to end
             interval, identical = "1 (exact)", "all"
-            speed += f" greedy\n{level.speedup_sampled:.3f}x sampled" if level.speedup_sampled else " greedy"
+            drafting = lambda greedy: "drafts" if level.drafts(greedy) else "plain"
+            speed += f" greedy, {drafting(True)}" + (f"\n{level.speedup_sampled:.3f}x sampled, {drafting(False)}"
+                                                     if level.speedup_sampled else "")
         table.add_row(f"{quality_name(level.quality)}{' *' if level.quality == default else ''}", _exits_cell(level),
                       interval, f"{level.exit_rate:.3f}", f"{level.head_free_rate:.3f}", speed, identical)
-    table.caption = ("exact: exits draft, the full model verifies up to max_draft drafts per batch; its speed was measured"
-                     " against plain decoding in the same run, the lossy levels' predicted from measured costs"
+    table.caption = ("exact: exits and prompt lookup draft, the full model verifies up to max_draft drafts per batch; its"
+                     " speed was measured against plain decoding in the same run, and it drafts (greedy, sampled) only"
+                     " where the whole 95% interval of that speed-up lay above 1; the lossy levels' speed is predicted"
+                     " from measured costs"
                      if any(lv.exact for lv in pack.levels) else None)
     return table
 

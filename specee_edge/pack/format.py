@@ -37,13 +37,11 @@ KEY_LEVELS = "specee.quality.levels"  # optional, ascending agreement targets; e
 KEY_DEFAULT_QUALITY = "specee.quality.default"  # one of the levels
 LEVEL_FIELDS = ("thresholds", "kinds", "offline", "exit_rate", "agreement", "layer_speedup", "verify_fail_rate",
                 "speedup", "head_free_rate", "steps", "identical", "identical_code",
-                "max_draft", "draft_stop", "acceptance", "tokens_per_round", "verify_cost", "speedup_sampled")
+                "max_draft", "draft_stop", "acceptance", "tokens_per_round", "verify_cost", "speedup_sampled",
+                "speedup_low", "speedup_sampled_low")
 # exact mode is the level of quality 1: its exits draft tokens that the full model then verifies in batches
 EXACT_QUALITY = 1.0
 MAX_DRAFT = 16  # drafts in one verification batch (the runtime keeps up to 64 rows for the next draft)
-# exact mode drafts, greedy or sampled, only where calibration measured it faster than plain decoding by more
-# than this (two timings of plain decoding in one run differ by up to about 3 % on the calibrating machines)
-DRAFT_GAIN = 1.03
 # whole answers: a level keeps at least this share of held-out greedy answers (to code prompts, for models
 # that chat) identical to the full model's, or says that it does not (`chat` banner, `generate`, `info`)
 IDENTICAL_FLOOR = 0.75
@@ -142,6 +140,8 @@ class QualityLevel:
     tokens_per_round: float = 0.0  # measured: tokens emitted per verification batch
     verify_cost: float = 0.0       # measured: one verification batch against one plain token
     speedup_sampled: float = 0.0   # measured: exact mode's speed with chat's default sampling (speedup: greedy)
+    speedup_low: float = 0.0       # measured: the low ends of the speed-ups' 95% intervals (bootstrapped over
+    speedup_sampled_low: float = 0.0  # held-out prompts); exact mode drafts only where it is above 1
 
     @property
     def exact(self) -> bool:
@@ -149,10 +149,11 @@ class QualityLevel:
         return self.max_draft > 0
 
     def drafts(self, greedy: bool) -> bool:
-        """Exact mode drafts for this kind of decoding (else it decodes plainly): calibration measured it faster.
+        """Exact mode drafts for this kind of decoding (else it decodes plainly): calibration measured it faster,
+        beyond the noise of its measurement.
         Sampling accepts fewer drafts than greedy decoding, so the two are measured apart. With every layer off
         the drafts come from prompt lookup alone."""
-        return self.exact and (self.speedup if greedy else self.speedup_sampled) > DRAFT_GAIN
+        return self.exact and (self.speedup_low if greedy else self.speedup_sampled_low) > 1.0
 
     @property
     def thresholds(self) -> dict[int, float]:
