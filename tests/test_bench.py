@@ -139,7 +139,7 @@ def test_terminal_report_and_plot(bench_run):
         assert figure in output
 
 
-def test_quality_sweep_has_a_lane_per_level(sweep_run):
+def test_quality_sweep_has_a_lane_per_level(sweep_run, two_level_pack):
     data, _, _ = sweep_run
     _, per_mode = documented_keys()
     lanes = {f"{DEFAULT_KV_MODE}@{LOOSE:g}": LOOSE, f"{DEFAULT_KV_MODE}@{STRICT:g}": STRICT,
@@ -169,6 +169,11 @@ def test_quality_sweep_has_a_lane_per_level(sweep_run):
     assert data["vanilla_sampled_tok_s"] > 0 and exact["sampled"]["speedup"] > 0
     assert 0 <= exact["sampled"]["identical"] <= 1 and exact["sampled"]["tokens_per_round"] >= 1
     assert data["peer"]["speedup"] > 0 and data["peer_sampled"]["speedup"] > 0
+    # beside the measured figures, the pack's: exact mode's speed-ups, a lossy level's agreement interval
+    assert (exact["calibrated_speedup"], exact["calibrated_speedup_sampled"], exact["calibrated_agreement"]) == (2.0, 2.0, None)
+    stored = read_pack(two_level_pack).level(LOOSE)
+    assert loose["calibrated_speedup"] == pytest.approx(stored.speedup) and loose["calibrated_speedup_sampled"] is None
+    assert loose["calibrated_agreement"] == pytest.approx(list(stored.agreement_interval()))
 
 
 def test_quality_sweep_table_and_plot(sweep_run):
@@ -178,7 +183,8 @@ def test_quality_sweep_table_and_plot(sweep_run):
     rows = [line.split()[0] for line in table.splitlines()[:14] if line.strip()]
     lanes = [f"{DEFAULT_KV_MODE}@{LOOSE:g}", f"{DEFAULT_KV_MODE}@{STRICT:g}*", f"{DEFAULT_KV_MODE}@exact"]
     assert rows[rows.index("vanilla"):rows.index("oracle") + 2] == ["vanilla", *lanes, "peer", "oracle", "oracle"]
-    for figure in ("speedup", "sampled", "acceptance_rate", "tokens_per_round", "verify_cost", "near-ties"):
+    for figure in ("speedup", "sampled", "acceptance_rate", "tokens_per_round", "verify_cost", "near-ties",
+                   "calibrated"):
         assert figure in output
 
 

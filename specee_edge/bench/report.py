@@ -68,6 +68,11 @@ class ModeResult:
     near_ties: int = 0                # ... where vanilla's top-2 logits differed by less than quality.NEAR_TIE
     largest_divergence_margin: float | None = None
     sampled: SampledResult | None = None
+    # the pack's figures for the level, beside which the bench's measured ones stand: a lossy level's speed-up is
+    # predicted from measured costs, exact mode's measured against plain decoding at calibration (None: no level)
+    calibrated_speedup: float | None = None
+    calibrated_speedup_sampled: float | None = None
+    calibrated_agreement: tuple[float, float] | None = None  # lossy levels: the stored 95% interval
 
 
 @dataclass
@@ -205,6 +210,8 @@ class BenchResult:
             table.add_column(self.lane(m), justify="right")
         rows = [
             ("specee tok/s", lambda m: f"{m.specee_tok_s:.1f}"),
+            ("calibrated speedup (greedy / sampled)", calibrated_cell),
+            ("calibrated agreement: interval, met", agreement_cell),
             ("speedup greedy, answers that do not loop", lambda m: "-" if m.speedup_no_loop is None else f"{m.speedup_no_loop:.3f}x"),
             ("gain_captured (head-free oracle)", lambda m: "-" if m.gain_captured is None else f"{m.gain_captured:+.2f}"),
             ("predictor_calls_per_token", lambda m: f"{m.predictor_calls_per_token:.2f}"),
@@ -265,6 +272,21 @@ def exact_cell(m: ModeResult, greedy: float, sampled: float | None) -> str:
     if m.sampled is not None:
         cells.append(f"{sampled:.2f}" if m.sampled.tokens_per_round else "plain")
     return " / ".join(cells)
+
+
+def calibrated_cell(m: ModeResult) -> str:
+    """What the pack says of the level's speed, to read beside what this run measured."""
+    if m.calibrated_speedup is None:
+        return "-"
+    sampled = f" / {m.calibrated_speedup_sampled:.3f}x" if m.calibrated_speedup_sampled else ""
+    return f"{m.calibrated_speedup:.3f}x{sampled}"
+
+
+def agreement_cell(m: ModeResult) -> str:
+    if m.calibrated_agreement is None:
+        return "-"
+    low, high = m.calibrated_agreement
+    return f"{low:.3f}-{high:.3f}, {'yes' if low <= m.agreement <= high else 'no'}"
 
 
 def recall_cell(recall: dict[str, float] | None) -> str:

@@ -263,6 +263,7 @@ def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, costs: T
                              for c in sorted(set(categories))}
     speedup = lane.timing.tok_s / vanilla.timing.tok_s if vanilla.timing.tok_s else 0.0
     headroom = oracle.head_free_speedup - 1
+    level = lane.engine.policy.level if lane.engine.policy and lane.engine.policy.threshold is None else None
     return ModeResult(
         kv_mode=lane.kv_mode, quality=lane.engine.policy.quality, steps=lane.timing.steps,
         specee_tok_s=lane.timing.tok_s, speedup=speedup, speedup_no_loop=speedup_on(lane, vanilla, no_loop),
@@ -285,6 +286,9 @@ def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, costs: T
         verify_cost=verify_cost(stats, vanilla),
         divergences=len(margins), near_ties=sum(margin < NEAR_TIE for margin in margins),
         largest_divergence_margin=max(margins, default=None), sampled=sampled,
+        calibrated_speedup=level.speedup if level else None,
+        calibrated_speedup_sampled=level.speedup_sampled if level and level.exact else None,
+        calibrated_agreement=level.agreement_interval() if level and not level.exact and level.steps else None,
     )
 
 
