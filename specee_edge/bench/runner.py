@@ -44,13 +44,14 @@ class VanillaLane:
         self.outputs: list[list[int]] = []  # generated tokens, one list per prompt
         self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stops = StopMatcher(())
-        self._draw = Sampler(sampling, llm.n_vocab())
+        self._draw: Sampler | None = None  # the prompt's, seeded for it
 
     def start(self, prompt: Sequence[int]) -> None:
         self.timing.begin_prompt()
         self.llm.reset()
         self.llm.eval(prompt)
-        self._draw.close()
+        if self._draw is not None:
+            self._draw.close()
         self._draw = Sampler(prompt_sampling(self.sampling, len(self.outputs)), self.llm.n_vocab(), prompt)
         self.outputs.append([self._draw.from_context(self.llm.ctx)])
         self._text.reset()

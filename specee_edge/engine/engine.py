@@ -207,7 +207,7 @@ class Engine:
         """The next token from the last step's logits: read in place by llama.cpp's sampler, unless an exit's
         temperature rescales them, or the request's bias bans every candidate of a head-free exit (then from
         the exit layer's full head)."""
-        if masks_every_token(self.ctx.logits(), draw.params):
+        if draw.params.logit_bias and masks_every_token(self.ctx.logits(), draw.params):  # no view without a bias
             return draw(self.full_logits())
         if self.temperature() != 1.0:
             return draw(self.logits())
