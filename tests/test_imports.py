@@ -26,7 +26,7 @@ LAYERS = (
     ("draft", "predictor"),
     ("pack",),
     ("runtime", "registry"),
-    ("gguf_index", "default_model", "shipped", "threads", "data", "archs", "exits", "chat_templates"),
+    ("gguf_index", "default_model", "shipped", "threads", "data", "archs", "exits", "chat_templates", "bootstrap"),
     ("errors", ""),
 )
 RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}

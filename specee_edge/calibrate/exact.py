@@ -25,6 +25,7 @@ import numpy as np
 from rich.table import Table
 from threadpoolctl import threadpool_limits
 
+from specee_edge.bootstrap import interval
 from specee_edge.data.prompts import CALIBRATION_SPLIT, Prompt, load_prompts, split
 from specee_edge.engine import Engine, EngineConfig
 from specee_edge.engine.records import GenerationStats
@@ -38,7 +39,6 @@ DRAFT_STOPS = (0.0, 0.6)       # confidence floors tried (0: a round drafts unti
 LOOKUP_DRAFTS = (2, 4)        # the longest rounds tried with prompt lookup alone (2: llama-cpp-python's advice for CPUs)
 SAMPLED = SamplingParams(seed=0)  # chat's defaults: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05
 FALLBACK_EXIT = LayerExit(ExitKind.HEAD_FREE, 0.5)  # where no lossy level has a layer on
-BOOTSTRAP = 2000              # resamples of the prompts behind a speed-up's interval
 
 
 @dataclass
@@ -61,9 +61,7 @@ def speedup_of(plain: Sequence[tuple[int, float]], exact: Sequence[tuple[int, fl
     def ratio(rows: np.ndarray) -> np.ndarray:
         return (n_exact[rows].sum(-1) / s_exact[rows].sum(-1)) / (n_plain[rows].sum(-1) / s_plain[rows].sum(-1))
 
-    resampled = ratio(np.random.default_rng(seed).integers(0, len(plain), (BOOTSTRAP, len(plain))))
-    low, high = np.percentile(resampled, [2.5, 97.5])
-    return Speedup(float(ratio(np.arange(len(plain)))), float(low), float(high))
+    return Speedup(float(ratio(np.arange(len(plain)))), *interval(ratio, len(plain), seed))
 
 
 @dataclass

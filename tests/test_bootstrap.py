@@ -1,0 +1,81 @@
+"""Intervals that resample prompts (specee_edge/bootstrap.py) and the cost lanes' fit (runtime/costs.py),
+on synthetic numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specee_edge.bootstrap import ratio_interval
+from specee_edge.runtime.costs import PARTS, CostLane, TokenCosts, native_stop_layer, stop_layers
+
+N_LAYER = 12
+
+
+def test_an_interval_over_prompts_is_wider_than_one_over_tokens_where_prompts_differ():
+    """20 prompts of 200 steps: most agree on 99 % of their steps, a few on 80 %. Counting the 4,000 steps as
+    independent gives about +-0.4 points; the prompts' own spread is several times that."""
+    agree = np.array([198.0] * 16 + [160.0] * 4)
+    steps = np.full(20, 200.0)
+    low, high = ratio_interval(agree, steps)
+    point = agree.sum() / steps.sum()
+    assert low < point < high
+    p, n = point, steps.sum()
+    token_half_width = 1.96 * np.sqrt(p * (1 - p) / n)
+    assert (high - low) / 2 > 2 * token_half_width
+    assert ratio_interval(np.full(20, 190.0), steps) == pytest.approx((0.95, 0.95))  # no spread, no width
+
+
+def lanes_timing(parts: dict[str, float], tokens: int, noise_ms: float, seed: int) -> list[CostLane]:
+    """Cost lanes (no context: their samples are made up) whose tokens cost what `parts` say, plus noise."""
+    rng = np.random.default_rng(seed)
+    f, l, h, d, c, s, k = (parts[p] for p in PARTS)
+    n = N_LAYER
+    callback = 0.07  # what a Python probe callback adds to a stop
+    m = native_stop_layer(n)
+    means = {"plain": (f + n * l + h, n), "checked_one": (f + n * l + h + d + c, n),
+             "checked_all": (f + n * l + h + d + n * c, n), "draft": (d, n),
+             f"stop_native@{m}": (f + (m + 1) * l + d + c + s, m + 1)}
+    for il in stop_layers(n):
+        means[f"stop_free@{il}"] = (f + (il + 1) * l + s + callback, il + 1)
+        means[f"stop_head@{il}"] = (f + (il + 1) * l + s + callback + h, il + 1)
+        means[f"stop_fill@{il}"] = (f + (il + 1) * l + s + callback + (n - 1 - il) * k, il + 1)
+    lanes = []
+    for name, (mean, layers_run) in means.items():
+        lane = CostLane(name, ctx=None, layers_run=layers_run)
+        lane.samples = list(mean + rng.normal(0, noise_ms, tokens) + rng.exponential(noise_ms, tokens) * (rng.random(tokens) < 0.05))
+        lanes.append(lane)
+    return lanes
+
+
+def test_costs_are_recovered_within_their_intervals_and_never_clipped():
+    truth = dict(fixed_ms=2.0, layer_ms=0.5, head_ms=3.0, draft_ms=0.3, check_ms=0.02, stop_ms=0.1, fill_ms=0.05)
+    costs = TokenCosts.fit(lanes_timing(truth, 300, 0.2, seed=1))
+    for part, value in truth.items():
+        low, high = costs.intervals[part]
+        assert low <= getattr(costs, part) <= high
+        assert low - 0.05 <= value <= high + 0.05, part
+    # a part too small to see: its estimate falls on either side of 0, as measured, and its interval spans 0
+    nothing = truth | {"stop_ms": 0.0}
+    fits = [TokenCosts.fit(lanes_timing(nothing, 100, 0.5, seed=seed)) for seed in range(12)]
+    assert min(c.stop_ms for c in fits) < 0 < max(c.stop_ms for c in fits)
+    assert sum(c.intervals["stop_ms"][0] < 0 < c.intervals["stop_ms"][1] for c in fits) >= 10
+
+
+def test_a_predicted_speedup_carries_the_costs_noise():
+    """The same decisions priced by costs timed with more noise get a wider interval around the same point."""
+    truth = dict(fixed_ms=2.0, layer_ms=0.5, head_ms=3.0, draft_ms=0.3, check_ms=0.02, stop_ms=0.1, fill_ms=0.05)
+    rng = np.random.default_rng(0)
+    exit_layer = rng.integers(4, N_LAYER, 1000)
+    kind = np.where(exit_layer < N_LAYER - 1, 2, 0)
+    prompt = np.repeat(np.arange(20), 50)
+    widths = []
+    for noise in (0.05, 2.0):
+        costs = TokenCosts.fit(lanes_timing(truth, 200, noise, seed=2))
+        features = costs.token_features(exit_layer, kind, np.ones(1000), np.zeros(1000), fill=False)
+        per_prompt = np.stack([np.bincount(prompt, weights=column) for column in features.T], axis=-1)
+        low, high = costs.speedup_interval(per_prompt, np.bincount(prompt).astype(float))
+        point = costs.plain_ms * 1000 / costs.token_ms(exit_layer, kind, np.ones(1000), np.zeros(1000), fill=False).sum()
+        assert low < point < high
+        widths.append(high - low)
+    assert widths[1] > 2 * widths[0]
