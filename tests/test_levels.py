@@ -15,13 +15,16 @@ from specee_edge.calibrate.levels import (
     check_with_engine,
     choose_levels,
     greedy_path,
+    keep_promises,
     last_holding,
+    pays,
+    turned_off,
 )
 from specee_edge.calibrate.predictor_fit import Probes, simulate, train_predictors
 from specee_edge.calibrate.replay import Replay
 from specee_edge.calibrate.temperature import cross_entropy, fit_beta
 from specee_edge.exits import ExitKind
-from specee_edge.pack.format import OFF, LayerExit, Schedule
+from specee_edge.pack.format import OFF, LayerExit, QualityLevel, Schedule
 from specee_edge.predictor.rule import decide
 from specee_edge.runtime.costs import TokenCosts
 
@@ -174,7 +177,8 @@ def test_levels_the_engine_misses_step_back_and_stay_monotone(synthetic):
 
     def measure(level) -> Replay:
         index = next(i for i in range(len(search.path)) if search.exits_at(i) == level.exits)
-        return Replay(100, 1.0 - 0.2 * index / max(last, 1), 0.1, 0.05, 20.0, 0.0, 1.0)
+        agreement = 1.0 - 0.2 * index / max(last, 1)
+        return Replay(100, agreement, 0.1, 0.05, 20.0, 0.0, agreement - 0.01, agreement + 0.01, 1.0)
 
     checked = check_with_engine(search, choices, measure)
     assert [(c.index, c.level) for c in choices] == [(c.index, c.level) for c in before]
@@ -191,3 +195,35 @@ def test_simulated_levels_keep_their_budget_on_unseen_steps_within_noise(synthet
     for choice in choices:
         online = simulate(ds, probes, predictors, choice.level.exits, test, Schedule(offline=choice.level.offline))
         assert online.agreement >= choice.level.quality - 0.03
+
+
+def measured_level(quality: float, low: float, *, on: bool = True) -> QualityLevel:
+    exits = {3: LayerExit(ExitKind.HEAD_FREE, 0.8) if on else OFF}
+    return QualityLevel(quality, exits, [], agreement=low + 0.01, steps=2000.0, agreement_low=low, agreement_high=low + 0.02)
+
+
+def test_a_level_ships_under_the_agreement_its_held_out_interval_holds():
+    """Kept where the interval's low end reaches the name; renamed after it where it does not; dropped where
+    that name is taken; a level with every layer off decodes plainly and keeps its name."""
+    shipped = keep_promises([measured_level(0.9, 0.905), measured_level(0.95, 0.9337), measured_level(0.98, 0.9049),
+                             measured_level(0.99, 0.2, on=False)])
+    assert [level and level.quality for level in shipped] == [0.9, 0.93, None, 0.99]
+    assert shipped[1].exits == measured_level(0.95, 0.9337).exits  # renamed, not changed
+    # a name reached exactly is kept; one below the step's first multiple is dropped
+    assert keep_promises([measured_level(0.98, 0.98)])[0].quality == 0.98
+    assert keep_promises([measured_level(0.9, 0.004)]) == [None]
+
+
+def test_a_pack_from_before_the_bootstrap_falls_back_to_wilson():
+    old = QualityLevel(0.95, {3: LayerExit(ExitKind.HEAD_FREE, 0.8)}, [], agreement=0.96, steps=4000.0)
+    low, high = old.agreement_interval()
+    assert low < 0.96 < high and high - low < 0.02  # steps taken as independent: narrow
+
+
+def test_a_level_is_on_only_where_its_predicted_gain_clears_its_noise():
+    def run(low: float) -> Replay:
+        return Replay(100, 0.99, 0.3, 0.1, 10.0, 0.0, 0.98, 1.0, 1.2, low, 1.4)
+
+    assert pays(run(1.01)) and not pays(run(1.0)) and not pays(run(0.95)) and not pays(None)
+    level = measured_level(0.9, 0.92)
+    assert turned_off(level).off and not level.off and turned_off(level).exits.keys() == level.exits.keys()

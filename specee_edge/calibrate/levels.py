@@ -17,12 +17,20 @@ the engine computes it. The engine checks the layers its online schedule picks: 
 with that schedule and steps back along the path until it holds. Both keep every later token's K/V
 exact; the engine itself then runs each level on answers to the same prompts (replay.py), where exits
 leave approximate K/V behind, and a level that falls short there steps back too. A level whose
-decisions are predicted slower than plain decoding turns every layer off.
+decisions there are not predicted faster than plain decoding beyond the noise of the prediction turns
+every layer off (`pays`).
+
+Nothing so far has seen the held-out prompts. The engine runs each level on them once, for the figures
+the pack stores, and a level ships under its name only where the low end of its held-out agreement's
+95% interval (bootstrapped over prompts) reaches it; else it is renamed after what it holds, or dropped
+(`keep_promises`).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +49,7 @@ LEVELS = (0.90, 0.95, 0.98, 0.99, 0.995)
 GRID = np.round(np.arange(0.99, 0.295, -0.01), 2)  # thresholds a layer moves through, from the top
 STRIDES = (1, 2, 4, 8, 16)  # grid steps one move may take (a flat stretch can hide the next gain)
 ENGINE_PROBES = 8  # path points a level may step back to when the engine checks it (a bisection over them)
+PROMISE_STEP = 0.005  # a level that falls short of its name is renamed to the multiple of this below what it holds
 
 
 @dataclass(frozen=True)
@@ -245,3 +254,37 @@ def check_with_engine(search: LevelSearch, choices: list[LevelChoice], measure: 
         limit = index
     return checked
 
+
+
+def turned_off(level: QualityLevel) -> QualityLevel:
+    """The level with every layer off: it decodes plainly."""
+    return dataclasses.replace(level, exits=dict.fromkeys(level.exits, OFF), offline=[])
+
+
+def pays(replay: Replay | None) -> bool:
+    """A level's decisions on the calibration split are predicted faster than plain decoding beyond the noise
+    of the prediction: the low end of the speed-up's interval (prompts and costs resampled) is above 1."""
+    return replay is not None and replay.speedup_low > 1.0
+
+
+def keep_promises(levels: list[QualityLevel]) -> list[QualityLevel | None]:
+    """Each lossy level as it may ship, from its held-out figures: under its own name where the low end of its
+    agreement's interval reaches it; else renamed after that low end (floored to a multiple of PROMISE_STEP);
+    None (dropped) where that name is another level's or not above 0. A level with every layer off decodes
+    plainly and holds any promise."""
+    def holds(level: QualityLevel) -> bool:
+        return level.off or level.agreement_interval()[0] >= level.quality - 1e-6
+
+    names = {level.quality for level in levels if holds(level)}
+    shipped: list[QualityLevel | None] = []
+    for level in levels:
+        if holds(level):
+            shipped.append(level)
+            continue
+        name = round(math.floor(level.agreement_interval()[0] / PROMISE_STEP + 1e-6) * PROMISE_STEP, 3)
+        if name <= 0 or name in names:
+            shipped.append(None)
+        else:
+            names.add(name)
+            shipped.append(dataclasses.replace(level, quality=name))
+    return shipped

@@ -1,9 +1,11 @@
 """`specee-edge calibrate`: answers -> lens -> draft head -> predictors -> costs -> quality levels ->
 the levels in the engine -> exact mode -> temperatures -> pack.
 
-The prompts are split three ways: the draft head and the predictors are trained on the first part,
-each level's exits are chosen (and checked through the engine) on the second, and the figures the pack
-stores for each level come from the engine on the third, prompts nothing was chosen on.
+The prompts are split three ways: the draft head and the predictors are trained on the first part;
+every choice after that is made on the second (each level's exits, whether it pays, the lossy default,
+the temperatures, the costs' timed text); the figures the pack stores for each level come from the
+engine on the third, prompts nothing was chosen on, and so does the name a level ships under: the
+agreement the low end of its held-out interval reaches.
 
 Collection, the lens and the predictors keep their results in the work directory; a rerun with the
 same settings skips them (collection resumes prompt by prompt).
@@ -29,7 +31,8 @@ from specee_edge.calibrate import dataset as dataset_stage
 from specee_edge.calibrate.collect import Collector, Shard, round_sampling, shard_path
 from specee_edge.calibrate.draft_fit import DRAFT_RIDGE, fit_draft
 from specee_edge.calibrate.exact import ExactReport, choose_exact, prompt_tokens, with_exact
-from specee_edge.calibrate.levels import LEVELS, LevelSearch, check_with_engine, choose_levels
+from specee_edge.calibrate.levels import (LEVELS, LevelChoice, LevelSearch, check_with_engine, choose_levels,
+                                          keep_promises, pays, turned_off)
 from specee_edge.calibrate.predictor_fit import Probes, layer_features, probe_all, simulate, train_predictors
 from specee_edge.calibrate.replay import identical_answers, pick_answers, replay
 from specee_edge.calibrate.report import CalibrationReport, LayerReport, LevelReport
@@ -39,8 +42,8 @@ from specee_edge.draft import LinearDraft
 from specee_edge.draft.lookup import LOOKUP_MAX_N
 from specee_edge.engine import Engine, EngineConfig
 from specee_edge.errors import SpecEEError
-from specee_edge.pack import OFF, Pack, QualityLevel, Schedule, target_identity, write_pack
-from specee_edge.pack.format import IDENTICAL_FLOOR, DraftHead
+from specee_edge.pack import Pack, QualityLevel, Schedule, target_identity, write_pack
+from specee_edge.pack.format import EXACT_QUALITY, IDENTICAL_FLOOR, DraftHead
 from specee_edge.pack.convert import predictors_from_npz, predictors_to_npz
 from specee_edge.predictor import MLPPredictor
 from specee_edge.runtime import Model
@@ -52,11 +55,12 @@ CACHE = Path.home() / ".cache" / "specee-edge" / "calibrate"
 COLLECTION = 2  # how answers are collected: a work dir from another version is not reused
 MAX_ROUNDS = 16  # answers per prompt at most (the first greedy, the others sampled)
 STEPS = 9  # the stages, for the progress bars
-# the default level, unless --quality names one: the fastest whose held-out agreement reaches AGREEMENT_FLOOR
+# the lossy default, unless --quality names one: the fastest whose agreement on the calibration split reaches AGREEMENT_FLOOR
 # and, for models that chat, whose greedy answers to code prompts stay identical to the full model's in at
 # least IDENTICAL_FLOOR of them (one wrong token can break a program)
 AGREEMENT_FLOOR = 0.98
-COST_TOKENS = 96  # decode steps each cost lane times, per round
+COST_ANSWERS = 3  # calibration-split greedy answers the cost lanes decode ...
+COST_TOKENS = 48  # ... steps of each, per round
 
 
 @dataclass
@@ -188,18 +192,18 @@ class Calibration:
         predictors_to_npz(path, predictors)
         return predictors
 
-    def costs(self, draft: LinearDraft, predictor: MLPPredictor, shard: Shard, advance) -> TokenCosts:
+    def costs(self, draft: LinearDraft, predictor: MLPPredictor, answers: list[Shard], advance) -> TokenCosts:
         """What a layer, the head, the draft, a check, a stop and a fill cost here (runtime/costs.py),
-        timed on a held-out answer."""
+        timed on the first COST_TOKENS steps of a few greedy answers."""
         model = Model(self.config.model)
         setup = DraftSetup(dict(w_embd=draft.w_embd, w_hidden=draft.w_hidden, bias=draft.bias, norm=draft.gamma,
                                 eps=draft.eps, head=draft.head, vocab_map=draft.vocab_map, quant=draft.quant),
                            (predictor.weights, predictor.biases))
-        tokens = shard.tokens[: shard.start + 1 + COST_TOKENS].tolist()
+        timed = [(shard.tokens[: shard.start + 1 + COST_TOKENS].tolist(), shard.start + 1) for shard in answers]
         try:
             with threadpool_limits(limits=1, user_api="blas"):
-                return measure_costs(model, setup, tokens, n_prompt=shard.start + 1, n_threads=self.config.threads,
-                                     k=self.config.k, advance=advance)
+                return measure_costs(model, setup, timed, n_threads=self.config.threads, k=self.config.k,
+                                     seed=self.config.seed, advance=advance)
         finally:
             model.close()
 
@@ -239,10 +243,13 @@ class Calibration:
             predictors = self.predictors(probes, train, len(shards), head, advance)
             self.seconds["predictors"] = time.perf_counter() - t0
 
+            calib_greedy = [shard for shard in self.greedy if shard.prompt in calib_p]
             heldout_greedy = [shard for shard in self.greedy if shard.prompt in test_p]
-            advance = stage("costs on this machine (steps)", 3 * min(COST_TOKENS, len(heldout_greedy[0].tokens) - heldout_greedy[0].start - 1))
+            cost_answers = (calib_greedy or self.greedy)[:COST_ANSWERS]
+            advance = stage("costs on this machine (steps)",
+                            3 * sum(min(COST_TOKENS, shard.steps) for shard in cost_answers))
             t0 = time.perf_counter()
-            costs = self.costs(draft, predictors[max(predictors)], heldout_greedy[0], advance)
+            costs = self.costs(draft, predictors[max(predictors)], cost_answers, advance)
             self.seconds["costs"] = time.perf_counter() - t0
 
             provisional = self.workdir / "provisional.specee.gguf"
@@ -256,16 +263,22 @@ class Calibration:
                 choices = choose_levels(search, config.levels, advance)
                 self.seconds["levels"] = time.perf_counter() - t0
 
+                # every decision on the calibration split: which levels pay, and the lossy default
                 advance = stage("levels in the engine (runs)", None)
                 t0 = time.perf_counter()
                 calib_answers = pick_answers(shards, calib_p, config.replay_tokens)
-                choices = check_with_engine(search, choices, lambda level: replay(engine, level, calib_answers),
+                choices = check_with_engine(search, choices, lambda level: replay(engine, level, calib_answers, costs),
                                             progress=advance)
+                chosen = [choice.level if pays(choice.engine) else turned_off(choice.level) for choice in choices]
+                code_matters = engine.prompting == "chat" and any(prompts[s.prompt].category == "code" for s in self.greedy)
+                lossy_index = self._default_index(engine, chosen, choices, calib_greedy, prompts, code_matters)
+
+                # then the held-out prompts, for the figures alone
                 test_answers = pick_answers(shards, test_p, config.heldout_tokens)
                 code = np.array([prompts[shard.prompt].category == "code" for shard in heldout_greedy])
-                levels = []
-                for choice in choices:
-                    levels.append(self._held_out(engine, choice.level, test_answers, heldout_greedy, code, costs))
+                measured = []
+                for level in chosen:
+                    measured.append(self._held_out(engine, level, test_answers, heldout_greedy, code, costs))
                     advance()
                 kv_mode = engine.kv_mode
                 self.seconds["engine"] = time.perf_counter() - t0
@@ -274,27 +287,30 @@ class Calibration:
                 t0 = time.perf_counter()
                 as_tokens = lambda part: prompt_tokens(engine, prompts, part, config.exact_prompts)  # noqa: E731
                 # drafts are checked, so a level's exits may pay as drafts where they did not as answers: the
-                # candidates are the levels as chosen, before the held-out check turned the slow ones off
+                # candidates are the levels as chosen, before the ones that did not pay were turned off
                 exact, exact_report = choose_exact(engine, [choice.level for choice in choices], as_tokens(calib_p),
                                                    as_tokens(test_p), config.exact_tokens, advance)
                 self.seconds["exact"] = time.perf_counter() - t0
             finally:
                 engine.close()
 
+            # a level ships under the agreement its held-out interval's low end reaches (renamed, or dropped)
+            shipped = keep_promises(measured)
+            levels = sorted((level for level in shipped if level is not None), key=lambda level: level.quality)
             # the lossy default (what --quality picks among the lossy levels) sets the temperatures; the pack's
-            # default is exact mode unless --quality names a lossy level
-            lossy_quality = config.quality if config.quality is not None else default_quality(
-                levels, code_matters=engine.prompting == "chat" and bool(code.any()))
-            default = next(level for level in levels if level.quality == lossy_quality)
+            # default is exact mode unless --quality names a lossy level. Dropped, it gives way to the next
+            # level up (fewer exits).
+            lossy_quality = next((level.quality for level in shipped[lossy_index:] if level is not None), None)
             advance = stage("temperatures (layers)", len(predictors))
             t0 = time.perf_counter()
-            fit_rows = simulate(ds, probes, predictors, default.exits, calib, None).exit_rows()
-            check_rows = simulate(ds, probes, predictors, default.exits, test, None).exit_rows()
-            temperatures = fit_temperatures(ds, weights, sorted(predictors), fit_rows, check_rows, config.seed, advance)
+            exits = chosen[lossy_index].exits
+            calib_rows = simulate(ds, probes, predictors, exits, calib, None).exit_rows()
+            test_rows = simulate(ds, probes, predictors, exits, test, None).exit_rows()
+            temperatures = fit_temperatures(ds, weights, sorted(predictors), calib_rows, test_rows, config.seed, advance)
             self.seconds["temperatures"] = time.perf_counter() - t0
 
-        report = self._report(ds, shards, train, test, draft_report, probes, predictors, choices, levels, lossy_quality,
-                              temperatures, costs, exact_report)
+        report = self._report(ds, shards, train, test, draft_report, probes, predictors, choices, measured, shipped,
+                              chosen[lossy_index], lossy_quality, temperatures, costs, exact_report)
         pack = self._pack(head, predictors, levels, temperatures.temperatures, lossy_quality, {
             "tool": f"specee-edge {version('specee-edge')}",
             "command": config.command,
@@ -310,28 +326,44 @@ class Calibration:
             | {"prompts": str(config.prompts or "built-in")},
             "report": report.to_dict(),
         })
-        if config.quality is None:
+        if config.quality is None or lossy_quality is None:
             pack = with_exact(pack, exact)
         else:
             pack = dataclasses.replace(pack, levels=[*pack.levels, exact])
         return pack, report
 
+    def _default_index(self, engine: Engine, levels: list[QualityLevel], choices: list[LevelChoice],
+                       greedy: list[Shard], prompts, code_matters: bool) -> int:
+        """Which of `levels` is the lossy default: the one --quality names, else default_quality's pick from
+        their figures on the calibration split (the greedy answers there, for identical code answers)."""
+        if self.config.quality is not None:
+            return [level.quality for level in levels].index(self.config.quality)
+        code = np.array([prompts[shard.prompt].category == "code" for shard in greedy], dtype=bool)
+        figures = []
+        for level, choice in zip(levels, choices):
+            if level.off or choice.engine is None:
+                figures.append(dataclasses.replace(level, agreement=1.0, speedup=1.0, identical_code=1.0))
+                continue
+            same = np.array(identical_answers(engine, level, [s for s, c in zip(greedy, code) if c],
+                                              self.config.identical_tokens)) if code_matters and code.any() else None
+            figures.append(dataclasses.replace(level, agreement=choice.engine.agreement, speedup=choice.engine.speedup,
+                                               identical_code=float(same.mean()) if same is not None else -1.0))
+        return [level.quality for level in levels].index(default_quality(figures, code_matters=code_matters and code.any()))
+
     def _held_out(self, engine: Engine, level: QualityLevel, answers: list[Shard], greedy: list[Shard],
                   code: np.ndarray, costs: TokenCosts) -> QualityLevel:
-        """The level's figures from prompts it was not chosen on. A level whose decisions there are predicted
-        slower than plain decoding turns every layer off (it then decodes plainly: figures of 1)."""
+        """The level's figures from prompts that played no part in choosing it (a level with every layer off
+        decodes plainly: figures of 1)."""
         if level.off:
             return dataclasses.replace(level, identical=1.0, identical_code=1.0 if code.any() else -1.0)
         run = replay(engine, level, answers, costs)
-        if run.speedup < 1.0:
-            off = dataclasses.replace(level, exits=dict.fromkeys(level.exits, OFF), offline=[])
-            return dataclasses.replace(off, steps=run.steps, identical=1.0, identical_code=1.0 if code.any() else -1.0)
         same = np.array(identical_answers(engine, level, greedy, self.config.identical_tokens))
         return dataclasses.replace(
             level, exit_rate=run.exit_rate, agreement=run.agreement, verify_fail_rate=run.verify_fail_rate,
             layer_speedup=self.target.n_layer / (run.avg_exit_layer + 1), speedup=run.speedup,
             head_free_rate=run.head_free_rate, steps=run.steps, identical=float(same.mean()),
-            identical_code=float(same[code].mean()) if code.any() else -1.0)
+            identical_code=float(same[code].mean()) if code.any() else -1.0,
+            agreement_low=run.agreement_low, agreement_high=run.agreement_high)
 
     def _pack(self, head, predictors, levels, temperatures, quality, provenance) -> Pack:
         default = next((level for level in levels if level.quality == quality), None)
@@ -340,9 +372,8 @@ class Calibration:
                     predictors=predictors, draft=head, levels=levels, default_quality=quality,
                     temperatures=temperatures, lookup_max_n=self.config.lookup, provenance=provenance)
 
-    def _report(self, ds, shards, train, test, draft_report, probes, predictors, choices, levels, quality,
-                temperatures, costs, exact: ExactReport) -> CalibrationReport:
-        default = next(level for level in levels if level.quality == quality)
+    def _report(self, ds, shards, train, test, draft_report, probes, predictors, choices, measured, shipped,
+                default: QualityLevel, quality, temperatures, costs, exact: ExactReport) -> CalibrationReport:
         layers = []
         for il in sorted(predictors):
             p = predictors[il](layer_features(probes, test, il, np.full(len(test), 1)))
@@ -357,8 +388,8 @@ class Calibration:
         return CalibrationReport(
             model=self.config.model.name, n_layer=n_layer, prompts=int(ds.prompt.max()) + 1, answers=len(shards),
             tokens=len(ds.token), train_tokens=len(train), draft=draft_report, layers=layers,
-            levels=[LevelReport.of(choice, level, n_layer) for choice, level in zip(choices, levels)],
-            default_quality=quality, costs=costs.to_dict(),
+            levels=[LevelReport.of(*parts, n_layer) for parts in zip(choices, measured, shipped)],
+            default_quality=quality if quality is not None else EXACT_QUALITY, costs=costs.to_dict(),
             oracle_avg_exit_layer=oracle, oracle_layer_speedup=n_layer / (oracle + 1),
             nll_raw=temperatures.nll_raw, nll_temperature=temperatures.nll_fitted, seconds=dict(self.seconds),
             exact=exact,
@@ -366,8 +397,8 @@ class Calibration:
 
 
 def default_quality(levels: list[QualityLevel], *, code_matters: bool) -> float:
-    """The fastest level (predicted, held out) that keeps AGREEMENT_FLOOR and, where code matters, the share of
-    identical code answers; the highest level if none does."""
+    """The fastest level (by the figures given: calibration's own split) that keeps AGREEMENT_FLOOR and, where
+    code matters, the share of identical code answers; the highest level if none does."""
     eligible = [level for level in levels if level.agreement >= AGREEMENT_FLOOR
                 and (not code_matters or level.identical_code >= IDENTICAL_FLOOR)]
     if not eligible:

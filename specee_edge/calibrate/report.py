@@ -30,14 +30,17 @@ class LevelReport:
     """One quality level: the engine on held-out prompts (its KV mode's approximate K/V after exits
     included), and on the calibration split the decisions alone with K/V exact."""
 
-    quality: float
+    asked: float              # the agreement its exits were chosen for
+    quality: float            # the name it ships under (0: dropped, its held-out figures fell short)
     verified_layers: list[int]
     head_free_layers: list[int]
     offline_layers: list[int]
     agreement: float          # the engine's on held-out prompts, against the full model on the same prefix
-    agreement_low: float      # Wilson's 95% interval
+    agreement_low: float      # 95% interval, bootstrapped over the held-out prompts
     agreement_high: float
     steps: int
+    calibration_speedup: float  # predicted on the calibration split, and the low end of its 95% interval:
+    calibration_speedup_low: float  # the level's layers are on only where it is above 1
     exact_agreement: float    # calibration split, K/V exact: the exits' own errors
     exit_rate: float
     head_free_rate: float
@@ -50,12 +53,16 @@ class LevelReport:
     exit_histogram: dict[int, int]  # calibration split, K/V exact
 
     @classmethod
-    def of(cls, choice: LevelChoice, level: QualityLevel, n_layer: int) -> LevelReport:
+    def of(cls, choice: LevelChoice, level: QualityLevel, shipped: QualityLevel | None, n_layer: int) -> LevelReport:
+        """level: as measured on held-out prompts; shipped: as it ships (None: dropped)."""
         sim = choice.simulated
         low, high = level.agreement_interval()
         of_kind = lambda kind: [il for il in level.on_layers if level.exits[il].kind == kind]  # noqa: E731
-        return cls(level.quality, of_kind(ExitKind.VERIFIED), of_kind(ExitKind.HEAD_FREE), level.offline,
-                   level.agreement, low, high, int(level.steps), sim.agreement, level.exit_rate, level.head_free_rate,
+        calib = choice.engine
+        return cls(choice.level.quality, shipped.quality if shipped else 0.0, of_kind(ExitKind.VERIFIED),
+                   of_kind(ExitKind.HEAD_FREE), level.offline, level.agreement, low, high, int(level.steps),
+                   calib.speedup if calib else 1.0, calib.speedup_low if calib else 1.0,
+                   sim.agreement, level.exit_rate, level.head_free_rate,
                    level.layer_speedup, level.speedup, level.verify_fail_rate, level.identical, level.identical_code,
                    sim.predictor_calls_per_token, {int(k): int(v) for k, v in sorted(sim.layer_hits.items())})
 
@@ -106,19 +113,23 @@ class CalibrationReport:
         for label, value in rows:
             summary.add_row(label, value)
 
-        levels = Table(title="quality levels: the engine on held-out prompts")
-        for column in ("quality", "agreement (95%)", "exit", "head-free", "speed", "identical (code)"):
+        levels = Table(title="quality levels: the engine on held-out prompts",
+                       caption="a level ships under the agreement the low end of its interval reaches")
+        for column in ("asked", "ships as", "agreement (95%)", "exit", "speed", "identical (code)"):
             levels.add_column(column, justify="right")
-        layers_on = Table(title="quality levels: layers on")
-        for column in ("quality", "verified", "head-free", "exact", "checks"):
+        layers_on = Table(title="quality levels: layers on, and the calibration split's figures that decided it",
+                          caption="speed: predicted, with the low end of its 95% interval (on only above 1)")
+        for column in ("quality", "verified", "head-free", "exact", "checks", "speed (low)"):
             layers_on.add_column(column, justify="right")
         for r in self.levels:
             mark = "*" if r.quality == self.default_quality else ""
             identical = "-" if r.identical < 0 else f"{r.identical:.2f}" + ("" if r.identical_code < 0 else f" ({r.identical_code:.2f})")
-            levels.add_row(f"{r.quality:g}{mark}", f"{r.agreement:.3f} ({r.agreement_low:.3f}-{r.agreement_high:.3f})",
-                           f"{r.exit_rate:.2f}", f"{r.head_free_rate:.2f}", f"{r.speedup:.3f}x", identical)
-            layers_on.add_row(f"{r.quality:g}{mark}", _span(r.verified_layers), _span(r.head_free_layers),
-                              f"{r.exact_agreement:.3f}", f"{r.predictor_calls_per_token:.1f}")
+            ships = "dropped" if not r.quality else f"{r.quality:g}{mark}"
+            levels.add_row(f"{r.asked:g}", ships, f"{r.agreement:.3f} ({r.agreement_low:.3f}-{r.agreement_high:.3f})",
+                           f"{r.exit_rate:.2f}", f"{r.speedup:.3f}x", identical)
+            layers_on.add_row(ships, _span(r.verified_layers), _span(r.head_free_layers),
+                              f"{r.exact_agreement:.3f}", f"{r.predictor_calls_per_token:.1f}",
+                              f"{r.calibration_speedup:.2f}x ({r.calibration_speedup_low:.2f})")
         layers = Table(title=f"predictors (held-out steps; exits at quality {self.default_quality:g})")
         for column in ("layer", "positives", "exit", "threshold", "precision", "recall", "T"):
             layers.add_column(column, justify="right")

@@ -3,9 +3,9 @@
 A layer that agrees with the final top-1 is usually less (or more) sure of it than the final layer:
 its logits, divided by T, are fitted to minimise the cross-entropy against the final layer's
 distribution (equivalently the KL divergence) on the steps where the default level's exits leave at that
-layer, the logits the engine divides by T. A temperature that does not lower the cross-entropy on held-out
-steps that exit there stays 1, and the figures reported are measured on other held-out steps (the check's
-steps decide, they do not also grade the decision). The last layer (a head-free exit that skips the output head) keeps T = 1:
+layer, the logits the engine divides by T. Every decision is taken on the calibration split: T is fitted
+on half of its steps that exit there and kept only if it lowers the cross-entropy on the other half (else
+it stays 1). The figures reported are measured on held-out steps, which played no part in either. The last layer (a head-free exit that skips the output head) keeps T = 1:
 its full logits are the output's.
 """
 
@@ -50,25 +50,31 @@ def _sample(rows: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
     return np.sort(rng.choice(rows, min(n, len(rows)), replace=False)) if len(rows) else rows
 
 
-def fit_temperatures(ds: Dataset, weights: TargetWeights, layers: list[int], fit_rows: dict[int, np.ndarray],
-                     check_rows: dict[int, np.ndarray], seed: int = 0, progress=lambda: None) -> TemperatureFit:
-    """fit_rows / check_rows: per layer, the steps that exit there (fitted on the first; kept if better on every
-    other step of the second, and graded on the rest)."""
+def _exit_logits(ds: Dataset, weights: TargetWeights, rows: np.ndarray, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """The layer's logits at these steps, and the final layer's distribution (the target)."""
+    return _logits(ds, weights, rows, layer), np.exp(log_softmax(_logits(ds, weights, rows, -1), axis=1))
+
+
+def fit_temperatures(ds: Dataset, weights: TargetWeights, layers: list[int], calib_rows: dict[int, np.ndarray],
+                     test_rows: dict[int, np.ndarray], seed: int = 0, progress=lambda: None) -> TemperatureFit:
+    """calib_rows / test_rows: per layer, the steps that exit there, on the calibration split (fitted on every
+    other step, kept if better on the rest) and held out (graded)."""
     rng = np.random.default_rng(seed)
     temperatures, raw, fitted, count = {}, 0.0, 0.0, 0
     for layer in layers:
         temperatures[layer] = 1.0
-        fit, check = _sample(fit_rows.get(layer, np.array([], int)), ROWS_PER_LAYER, rng), \
-            _sample(check_rows.get(layer, np.array([], int)), ROWS_PER_LAYER // 2, rng)
-        if layer < ds.n_layer - 1 and len(fit) >= MIN_ROWS and len(check) >= MIN_ROWS // 2:
-            beta = fit_beta(_logits(ds, weights, fit, layer), np.exp(log_softmax(_logits(ds, weights, fit, -1), axis=1)))
-            z, target = _logits(ds, weights, check, layer), np.exp(log_softmax(_logits(ds, weights, check, -1), axis=1))
-            decide, grade = slice(0, None, 2), slice(1, None, 2)
-            if cross_entropy(z[decide], target[decide], beta) < cross_entropy(z[decide], target[decide], 1.0):
+        calib = _sample(calib_rows.get(layer, np.array([], int)), 2 * ROWS_PER_LAYER, rng)
+        fit, decide = calib[0::2], calib[1::2]
+        grade = _sample(test_rows.get(layer, np.array([], int)), ROWS_PER_LAYER // 2, rng)
+        if layer < ds.n_layer - 1 and len(fit) >= MIN_ROWS and len(decide) >= MIN_ROWS // 2:
+            beta = fit_beta(*_exit_logits(ds, weights, fit, layer))
+            z, target = _exit_logits(ds, weights, decide, layer)
+            if cross_entropy(z, target, beta) < cross_entropy(z, target, 1.0):
                 temperatures[layer] = round(1.0 / beta, 4)
-            n = len(z[grade])
-            raw += cross_entropy(z[grade], target[grade], 1.0) * n
-            fitted += cross_entropy(z[grade], target[grade], 1.0 / temperatures[layer]) * n
-            count += n
+        if layer < ds.n_layer - 1 and len(grade):
+            z, target = _exit_logits(ds, weights, grade, layer)
+            raw += cross_entropy(z, target, 1.0) * len(grade)
+            fitted += cross_entropy(z, target, 1.0 / temperatures[layer]) * len(grade)
+            count += len(grade)
         progress()
     return TemperatureFit(temperatures, raw / max(count, 1), fitted / max(count, 1))

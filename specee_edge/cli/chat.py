@@ -41,8 +41,9 @@ ChatTemplate = Annotated[str | None, typer.Option("--chat-template", show_defaul
 NoEarlyExit = Annotated[bool, typer.Option("--no-early-exit", help="decode every layer (the pack stays loaded)")]
 Quality = Annotated[str | None, typer.Option("--quality", show_default=False, help=(
     "the pack's quality level: exact (early exits draft tokens that the full model verifies in batches, so the "
-    "replies are the model's own), or a lossy level: the share of tokens equal to the full model's it keeps, such "
-    "as 0.95 (default: the pack's default level; `specee-edge info PACK` lists each level's agreement and the share "
+    "replies are the model's own), or a lossy level such as 0.95: at each step, the token it emits is the one the full "
+    "model would pick on the same text, in at least that share of the steps (the low end of a 95% interval measured on "
+    "prompts calibration chose nothing on; default: the pack's default level; `specee-edge info PACK` lists each level's agreement and the share "
     "of whole greedy answers that stay identical). One wrong token changes the rest of a reply: a level below "
     "0.98 can keep few answers identical, and says so. A lossy head-free exit samples among its k candidates only"))]
 Threshold = Annotated[float | None, typer.Option("--threshold", show_default=False,

@@ -114,6 +114,8 @@ def _levels_table(pack: Pack) -> Table:
     for level in pack.levels:
         low, high = level.agreement_interval()
         interval = f"{level.agreement:.3f}" + (f"\n({low:.3f}-{high:.3f})" if level.steps else "")
+        if not level.off and low < level.quality - 1e-6:  # a pack from before names were checked against it
+            interval += "\nshort of its name"
         identical = "-" if level.identical < 0 else f"{level.identical:.2f}" + (
             f" ({level.identical_code:.2f})" if level.identical_code >= 0 else "")
         speed = f"{level.speedup:.3f}x"
@@ -124,11 +126,14 @@ def _levels_table(pack: Pack) -> Table:
                                                      if level.speedup_sampled else "")
         table.add_row(f"{quality_name(level.quality)}{' *' if level.quality == default else ''}", _exits_cell(level),
                       interval, f"{level.exit_rate:.3f}", f"{level.head_free_rate:.3f}", speed, identical)
-    table.caption = ("exact: exits and prompt lookup draft, the full model verifies up to max_draft drafts per batch; its"
-                     " speed was measured against plain decoding in the same run, and it drafts (greedy, sampled) only"
-                     " where the whole 95% interval of that speed-up lay above 1; the lossy levels' speed is predicted"
-                     " from measured costs"
-                     if any(lv.exact for lv in pack.levels) else None)
+    promise = ("a lossy level q: at each step of a reply, the token it emits is the one the full model would pick on"
+               " the same text, in at least q of the steps (q is at most the low end of the held-out agreement's 95%"
+               " interval, bootstrapped over prompts); whole answers still drift after a first difference (identical)")
+    exact = ("; exact: exits and prompt lookup draft, the full model verifies up to max_draft drafts per batch; its"
+             " speed was measured against plain decoding in the same run, and it drafts (greedy, sampled) only"
+             " where the whole 95% interval of that speed-up lay above 1; the lossy levels' speed is predicted"
+             " from measured costs")
+    table.caption = promise + (exact if any(lv.exact for lv in pack.levels) else "")
     return table
 
 

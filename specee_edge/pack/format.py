@@ -38,7 +38,7 @@ KEY_DEFAULT_QUALITY = "specee.quality.default"  # one of the levels
 LEVEL_FIELDS = ("thresholds", "kinds", "offline", "exit_rate", "agreement", "layer_speedup", "verify_fail_rate",
                 "speedup", "head_free_rate", "steps", "identical", "identical_code",
                 "max_draft", "draft_stop", "acceptance", "tokens_per_round", "verify_cost", "speedup_sampled",
-                "speedup_low", "speedup_sampled_low")
+                "speedup_low", "speedup_sampled_low", "agreement_low", "agreement_high")
 # exact mode is the level of quality 1: its exits draft tokens that the full model then verifies in batches
 EXACT_QUALITY = 1.0
 MAX_DRAFT = 16  # drafts in one verification batch (the runtime keeps up to 64 rows for the next draft)
@@ -118,10 +118,12 @@ OFF = LayerExit(ExitKind.NONE, 1.0)
 @dataclass
 class QualityLevel:
     """One setting of the quality dial: every predictor layer's exit (kind and threshold) and the offline
-    schedule, chosen together so that the expected agreement with the full model over a reply is
-    `quality`. The expectations were measured on held-out calibration answers."""
+    schedule. Its promise, `quality` q: at each step, the token it emits is the one the full model would
+    pick on the same text, in at least q of the steps. Calibration chose its exits on one set of prompts and
+    measured it on others that played no other part; q is at most the low end of that agreement's 95%
+    interval (a level that fell short was renamed after what it holds, or dropped)."""
 
-    quality: float                 # the agreement asked for
+    quality: float                 # the agreement promised
     exits: dict[int, LayerExit]    # per predictor layer; OFF: the layer never exits at this level
     offline: list[int]             # the offline schedule at this level
     exit_rate: float = 0.0         # expected, held out
@@ -142,6 +144,8 @@ class QualityLevel:
     speedup_sampled: float = 0.0   # measured: exact mode's speed with chat's default sampling (speedup: greedy)
     speedup_low: float = 0.0       # measured: the low ends of the speed-ups' 95% intervals (bootstrapped over
     speedup_sampled_low: float = 0.0  # held-out prompts); exact mode drafts only where it is above 1
+    agreement_low: float = 0.0     # lossy levels: the held-out agreement's 95% interval, bootstrapped over
+    agreement_high: float = 0.0    # prompts (0: a pack from before it was; agreement_interval then falls back)
 
     @property
     def exact(self) -> bool:
@@ -171,7 +175,11 @@ class QualityLevel:
         return not self.on_layers
 
     def agreement_interval(self, z: float = 1.96) -> tuple[float, float]:
-        """Wilson's 95% interval of the held-out agreement (the point itself if no steps were counted)."""
+        """The held-out agreement's 95% interval: bootstrapped over prompts where calibration stored it; for
+        packs from before, Wilson's over steps, which takes a reply's steps as independent and is too narrow
+        (the point itself if no steps were counted)."""
+        if self.agreement_high > 0:
+            return self.agreement_low, self.agreement_high
         n = self.steps
         if n <= 0:
             return self.agreement, self.agreement

@@ -1,0 +1,68 @@
+"""Two calibrations of one model, side by side: do they agree on which levels are on, and does each timed
+cost lie inside the other's 95% interval?
+
+Calibrate twice from the same work dir (the answers are reused, the costs and the engine's runs are not),
+then compare:
+
+    specee-edge calibrate MODEL --work-dir W -o a.specee.gguf
+    specee-edge calibrate MODEL --work-dir W -o b.specee.gguf
+    .venv/bin/python tools/compare_packs.py a.specee.gguf b.specee.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from specee_edge.pack import read_pack
+from specee_edge.pack.format import quality_name
+from specee_edge.runtime.costs import PARTS
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("first")
+    parser.add_argument("second")
+    args = parser.parse_args()
+    packs = [read_pack(args.first), read_pack(args.second)]
+    report = [pack.provenance["report"] for pack in packs]
+
+    levels = Table(title="levels: asked -> shipped as (on / off)")
+    for column in ("asked", "first", "second", "same"):
+        levels.add_column(column, justify="right")
+    same_levels = True
+    for a, b in zip(report[0]["levels"], report[1]["levels"]):
+        def cell(r: dict) -> str:
+            on = bool(r["verified_layers"] or r["head_free_layers"])
+            return ("dropped" if not r["quality"] else f"{r['quality']:g}") + (" on" if on else " off")
+        same = cell(a) == cell(b)
+        same_levels &= same
+        levels.add_row(f"{a['asked']:g}", cell(a), cell(b), "yes" if same else "no")
+    exact = [pack.levels[-1] for pack in packs]
+    drafts = [(level.drafts(True), level.drafts(False)) for level in exact]
+    levels.add_row(quality_name(1.0), *(f"drafts greedy {g}, sampled {s}" for g, s in drafts),
+                   "yes" if drafts[0] == drafts[1] else "no")
+
+    costs = Table(title="costs (ms): each run's point against the other's 95% interval")
+    for column in ("part", "first", "second", "inside"):
+        costs.add_column(column, justify="right")
+    inside_all = True
+    c = [pack.provenance["costs_ms"] for pack in packs]
+    for part in PARTS:
+        (lo0, hi0), (lo1, hi1) = c[0]["intervals"][part], c[1]["intervals"][part]
+        inside = lo1 <= c[0][part] <= hi1 and lo0 <= c[1][part] <= hi0
+        inside_all &= inside
+        costs.add_row(part, f"{c[0][part]:.3f} ({lo0:.3f}-{hi0:.3f})", f"{c[1][part]:.3f} ({lo1:.3f}-{hi1:.3f})",
+                      "yes" if inside else "no")
+    console = Console()
+    console.print(levels, costs)
+    console.print(f"same levels on and off: {'yes' if same_levels else 'no'}; "
+                  f"every cost inside the other's interval: {'yes' if inside_all else 'no'}")
+    return 0 if same_levels and inside_all else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
