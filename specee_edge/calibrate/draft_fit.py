@@ -106,7 +106,8 @@ def fit_draft(ds: Dataset, weights: TargetWeights, train: np.ndarray, test: np.n
         "norm.weight": gamma.copy(),
         "norm.eps": np.array([eps], dtype=np.float32),
     }
-    head = DraftHead(LINEAR_DRAFT_KIND, tensors, vocab_map)
+    # q8_0: what the pack stores and the runtime runs, so that the cost lanes time the same draft
+    head = DraftHead(LINEAR_DRAFT_KIND, tensors, vocab_map, quant="q8_0")
     return head, evaluate(LinearDraft(head, weights, k), ds, test, embedding, lookup[test], categories[test])
 
 
