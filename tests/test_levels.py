@@ -227,3 +227,23 @@ def test_a_level_is_on_only_where_its_predicted_gain_clears_its_noise():
     assert pays(run(1.01)) and not pays(run(1.0)) and not pays(run(0.95)) and not pays(None)
     level = measured_level(0.9, 0.92)
     assert turned_off(level).off and not level.off and turned_off(level).exits.keys() == level.exits.keys()
+
+
+def test_an_older_pack_is_renamed_by_its_stored_interval():
+    """tools/keep_promises.py on a pack whose level claims more than its interval holds."""
+    import importlib.util
+
+    from specee_edge.pack import read_pack
+    from tests.conftest import SHIPPED_PACK
+
+    spec = importlib.util.spec_from_file_location("keep_promises", "tools/keep_promises.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    pack = read_pack(SHIPPED_PACK)
+    level = next(lv for lv in pack.levels if lv.on_layers and not lv.exact)
+    claims = dataclasses.replace(level, quality=round(level.agreement_interval()[0] + 0.02, 3))
+    others = [lv for lv in pack.levels if lv.quality != level.quality and lv.quality != claims.quality]
+    new, changes = tool.promised(dataclasses.replace(pack, levels=sorted([claims, *others], key=lambda lv: lv.quality)))
+    assert len(changes) == 1 and claims.quality not in [lv.quality for lv in new.levels]
+    assert any(lv.exits == level.exits and lv.quality <= level.agreement_interval()[0] for lv in new.levels)
+    assert tool.promised(new)[1] == []
