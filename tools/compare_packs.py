@@ -31,20 +31,21 @@ def main() -> int:
     report = [pack.provenance["report"] for pack in packs]
 
     levels = Table(title="levels: asked -> shipped as (on / off)")
-    for column in ("asked", "first", "second", "same"):
+    for column in ("asked", "first", "second", "same on/off", "same name"):
         levels.add_column(column, justify="right")
-    same_levels = True
+    same_levels = same_names = True
     for a, b in zip(report[0]["levels"], report[1]["levels"]):
-        def cell(r: dict) -> str:
-            on = bool(r["verified_layers"] or r["head_free_layers"])
-            return ("dropped" if not r["quality"] else f"{r['quality']:g}") + (" on" if on else " off")
-        same = cell(a) == cell(b)
-        same_levels &= same
-        levels.add_row(f"{a['asked']:g}", cell(a), cell(b), "yes" if same else "no")
+        on = [bool(r["verified_layers"] or r["head_free_layers"]) for r in (a, b)]
+        names = ["dropped" if not r["quality"] else f"{r['quality']:g}" for r in (a, b)]
+        same_levels &= on[0] == on[1]
+        same_names &= names[0] == names[1]
+        levels.add_row(f"{a['asked']:g}", *(f"{name} {'on' if o else 'off'}" for name, o in zip(names, on)),
+                       "yes" if on[0] == on[1] else "no", "yes" if names[0] == names[1] else "no")
     exact = [pack.levels[-1] for pack in packs]
     drafts = [(level.drafts(True), level.drafts(False)) for level in exact]
+    same_levels &= drafts[0] == drafts[1]
     levels.add_row(quality_name(1.0), *(f"drafts greedy {g}, sampled {s}" for g, s in drafts),
-                   "yes" if drafts[0] == drafts[1] else "no")
+                   "yes" if drafts[0] == drafts[1] else "no", "")
 
     costs = Table(title="costs (ms): each run's point against the other's 95% interval")
     for column in ("part", "first", "second", "inside"):
@@ -59,7 +60,7 @@ def main() -> int:
                       "yes" if inside else "no")
     console = Console()
     console.print(levels, costs)
-    console.print(f"same levels on and off: {'yes' if same_levels else 'no'}; "
+    console.print(f"same levels on and off: {'yes' if same_levels else 'no'}; same names: {'yes' if same_names else 'no'}; "
                   f"every cost inside the other's interval: {'yes' if inside_all else 'no'}")
     return 0 if same_levels and inside_all else 1
 
