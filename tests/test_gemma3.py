@@ -173,8 +173,7 @@ def test_in_graph_draft_reads_the_unscaled_embedding_and_the_last_hidden_state(s
     draft = LinearDraft(DraftHead("linear", tensors, vocab_map), TargetWeights(swa_model.info.path), 4)
     ctx = Context(swa_model, n_threads=1, n_ctx=128)
     ctx.enable_early_exit(4, "fill")
-    ctx.set_draft(w_embd=draft.w_embd, w_hidden=draft.w_hidden, bias=draft.bias, norm=draft.gamma, eps=draft.eps,
-                  head=draft.head, vocab_map=draft.vocab_map, quant=draft.quant)
+    ctx.set_draft(**draft.runtime_args())
     ctx.set_probe_callback(lambda il, z: False)
     ctx.set_probe_layers([1])
     ctx.set_capture_layers([last])

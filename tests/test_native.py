@@ -39,8 +39,7 @@ def context_with_draft(default_model, draft: LinearDraft, n_ctx: int = 512) -> C
     """A context whose single-token graphs run `draft`, with a probe at layer 20 that never stops."""
     ctx = Context(default_model, n_ctx=n_ctx)
     ctx.enable_early_exit(draft.k, "fill")
-    ctx.set_draft(w_embd=draft.w_embd, w_hidden=draft.w_hidden, bias=draft.bias, norm=draft.gamma, eps=draft.eps,
-                  head=draft.head, vocab_map=draft.vocab_map, quant=draft.quant)
+    ctx.set_draft(**draft.runtime_args())
     ctx.set_probe_callback(lambda il, z: False)
     ctx.set_probe_layers([20])
     return ctx

@@ -108,10 +108,8 @@ def load_engines(config: BenchConfig, qualities: Sequence[float | None]) -> list
 
 def draft_setup(engine: Engine) -> DraftSetup:
     """The engine's draft head and one of its predictors, for the cost lanes."""
-    d = engine.policy.draft
     mlp = engine.policy.predictors[max(engine.policy.predictors)]
-    return DraftSetup(dict(w_embd=d.w_embd, w_hidden=d.w_hidden, bias=d.bias, norm=d.gamma, eps=d.eps, head=d.head,
-                           vocab_map=d.vocab_map, quant=d.quant), (mlp.weights, mlp.biases))
+    return DraftSetup(engine.policy.draft.runtime_args(), (mlp.weights, mlp.biases))
 
 
 def prompt_tokens(engine: Engine, prompts: Sequence[Prompt]) -> list[list[int]]:

@@ -196,9 +196,7 @@ class Calibration:
         """What a layer, the head, the draft, a check, a stop and a fill cost here (runtime/costs.py),
         timed on the first COST_TOKENS steps of a few greedy answers."""
         model = Model(self.config.model)
-        setup = DraftSetup(dict(w_embd=draft.w_embd, w_hidden=draft.w_hidden, bias=draft.bias, norm=draft.gamma,
-                                eps=draft.eps, head=draft.head, vocab_map=draft.vocab_map, quant=draft.quant),
-                           (predictor.weights, predictor.biases))
+        setup = DraftSetup(draft.runtime_args(), (predictor.weights, predictor.biases))
         timed = [(shard.tokens[: shard.start + 1 + COST_TOKENS].tolist(), shard.start + 1) for shard in answers]
         try:
             with threadpool_limits(limits=1, user_api="blas"):

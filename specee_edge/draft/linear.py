@@ -49,6 +49,11 @@ class LinearDraft:
         self._weights = weights
         self._embeddings: dict[int, np.ndarray] = {}
 
+    def runtime_args(self) -> dict:
+        """Context.set_draft's arguments: the head as the runtime holds it."""
+        return dict(w_embd=self.w_embd, w_hidden=self.w_hidden, bias=self.bias, norm=self.gamma, eps=self.eps,
+                    head=self.head, vocab_map=self.vocab_map, quant=self.quant)
+
     def embedding(self, token: int) -> np.ndarray:
         row = self._embeddings.get(token)
         if row is None:  # dequantizing one row costs ~0.2 ms; text reuses few tokens

@@ -141,9 +141,7 @@ class ExitPolicy:
     def attach(self, ctx: Context) -> None:
         """Load the draft head (and, natively, the predictors) into the context's early-exit state."""
         self.ctx = ctx
-        d = self.draft
-        ctx.set_draft(w_embd=d.w_embd, w_hidden=d.w_hidden, bias=d.bias, norm=d.gamma, eps=d.eps, head=d.head,
-                      vocab_map=d.vocab_map, quant=d.quant)
+        ctx.set_draft(**self.draft.runtime_args())
         if self.native:
             for layer, mlp in self.predictors.items():
                 ctx.set_predictor(layer, mlp.weights, mlp.biases)
