@@ -150,6 +150,8 @@ def test_quality_sweep_has_a_lane_per_level(sweep_run, two_level_pack):
         assert set(mode) == per_mode
         assert (mode["kv_mode"], mode["quality"]) == (DEFAULT_KV_MODE, quality)
         assert 0 <= mode["agreement"] <= 1 and 0 < mode["speedup"] and 1 < mode["ppl_specee_raw"] < float("inf")
+        low, high = mode["agreement_interval"]  # over the bench's prompts
+        assert low <= mode["agreement"] <= high
     # the top level is the default level's lane
     assert data["quality"] == data["default_quality"] == STRICT
     assert data["speedup"] == data["modes"][f"{DEFAULT_KV_MODE}@{STRICT:g}"]["speedup"]
@@ -167,6 +169,8 @@ def test_quality_sweep_has_a_lane_per_level(sweep_run, two_level_pack):
     assert exact["near_ties"] == exact["divergences"] and exact["agreement"] >= loose["agreement"]
     # the sampled pass and the peer lane ran on the same prompts
     assert data["vanilla_sampled_tok_s"] > 0 and exact["sampled"]["speedup"] > 0
+    assert data["repetition_sampled_by_category"].keys() == data["repetition_by_category"].keys()
+    assert 0 <= data["looping_answers_sampled"] <= data["prompts"]
     assert 0 <= exact["sampled"]["identical"] <= 1 and exact["sampled"]["tokens_per_round"] >= 1
     assert data["peer"]["speedup"] > 0 and data["peer_sampled"]["speedup"] > 0
     # beside the measured figures, the pack's: exact mode's speed-ups, a lossy level's agreement interval

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from specee_edge.bootstrap import ratio_interval
-from specee_edge.runtime.costs import PARTS, CostLane, TokenCosts, native_stop_layer, stop_layers
+from specee_edge.runtime.costs import PARTS, CostLane, TokenCosts, stop_layers
 
 N_LAYER = 12
 
@@ -26,52 +26,85 @@ def test_an_interval_over_prompts_is_wider_than_one_over_tokens_where_prompts_di
     assert ratio_interval(np.full(20, 190.0), steps) == pytest.approx((0.95, 0.95))  # no spread, no width
 
 
-def lanes_timing(parts: dict[str, float], tokens: int, noise_ms: float, seed: int) -> list[CostLane]:
-    """Cost lanes (no context: their samples are made up) whose tokens cost what `parts` say, plus noise."""
+def lanes_timing(parts: dict[str, float], tokens: int, noise_ms: float, seed: int, rounds: int = 1,
+                 drift: float = 0.0) -> list[list[CostLane]]:
+    """Rounds of cost lanes (no context: their samples are made up) whose tokens cost what `parts` say, plus
+    noise; each round's parts are off by a random share of up to about `drift` (what changes between rounds)."""
     rng = np.random.default_rng(seed)
-    f, l, h, d, c, s, k = (parts[p] for p in PARTS)
     n = N_LAYER
-    callback = 0.07  # what a Python probe callback adds to a stop
-    m = native_stop_layer(n)
-    means = {"plain": (f + n * l + h, n), "checked_one": (f + n * l + h + d + c, n),
-             "checked_all": (f + n * l + h + d + n * c, n), "draft": (d, n),
-             f"stop_native@{m}": (f + (m + 1) * l + d + c + s, m + 1)}
-    for il in stop_layers(n):
-        means[f"stop_free@{il}"] = (f + (il + 1) * l + s + callback, il + 1)
-        means[f"stop_head@{il}"] = (f + (il + 1) * l + s + callback + h, il + 1)
-        means[f"stop_fill@{il}"] = (f + (il + 1) * l + s + callback + (n - 1 - il) * k, il + 1)
-    lanes = []
-    for name, (mean, layers_run) in means.items():
-        lane = CostLane(name, ctx=None, layers_run=layers_run)
-        lane.samples = list(mean + rng.normal(0, noise_ms, tokens) + rng.exponential(noise_ms, tokens) * (rng.random(tokens) < 0.05))
-        lanes.append(lane)
-    return lanes
+    callback = 0.07  # what a Python probe callback adds to a layer
+    timed = []
+    for _ in range(rounds):
+        p, f, l, mask, h, d, c, s, k = (parts[p] * (1 + drift * rng.normal()) for p in PARTS)
+        means = {"plain": (p, n), "checked_one": (f + n * l + h + d + c, n),
+                 "checked_all": (f + n * l + h + d + n * c, n), "draft": (d, n)}
+        for il in stop_layers(n):
+            means[f"stop_mask@{il}"] = (f + (il + 1) * (l + mask) + d + c + s, il + 1)
+            means[f"stop_fill@{il}"] = (f + (il + 1) * l + d + c + s + (n - 1 - il) * k, il + 1)
+            means[f"stop_free@{il}"] = (f + (il + 1) * (l + mask + callback) + s, il + 1)
+            means[f"stop_head@{il}"] = (f + (il + 1) * (l + mask + callback) + s + h, il + 1)
+        lanes = []
+        for name, (mean, layers_run) in means.items():
+            lane = CostLane(name, ctx=None, layers_run=layers_run)
+            lane.samples = list(mean + rng.normal(0, noise_ms, tokens)
+                                + rng.exponential(noise_ms, tokens) * (rng.random(tokens) < 0.05))
+            lanes.append(lane)
+        timed.append(lanes)
+    return timed
+
+
+TRUTH = dict(plain_ms=2.0 + N_LAYER * 0.45 + 3.0, fixed_ms=2.0, layer_ms=0.5, mask_ms=0.04, head_ms=3.0, draft_ms=0.3, check_ms=0.02, stop_ms=0.1,
+             fill_ms=0.05)
 
 
 def test_costs_are_recovered_within_their_intervals_and_never_clipped():
-    truth = dict(fixed_ms=2.0, layer_ms=0.5, head_ms=3.0, draft_ms=0.3, check_ms=0.02, stop_ms=0.1, fill_ms=0.05)
-    costs = TokenCosts.fit(lanes_timing(truth, 300, 0.2, seed=1))
-    for part, value in truth.items():
+    costs = TokenCosts.fit(lanes_timing(TRUTH, 300, 0.2, seed=1))
+    for part, value in TRUTH.items():
         low, high = costs.intervals[part]
         assert low <= getattr(costs, part) <= high
         assert low - 0.05 <= value <= high + 0.05, part
     # a part too small to see: its estimate falls on either side of 0, as measured, and its interval spans 0
-    nothing = truth | {"stop_ms": 0.0}
+    nothing = TRUTH | {"stop_ms": 0.0}
     fits = [TokenCosts.fit(lanes_timing(nothing, 100, 0.5, seed=seed)) for seed in range(12)]
     assert min(c.stop_ms for c in fits) < 0 < max(c.stop_ms for c in fits)
     assert sum(c.intervals["stop_ms"][0] < 0 < c.intervals["stop_ms"][1] for c in fits) >= 10
 
 
+def test_the_depth_mask_and_the_fill_are_told_apart():
+    """A mask-mode layer that costs more than a plain one must not come out as a cheaper fill (the two stop
+    lines share their intercept up to n fills) nor as a dearer plain layer."""
+    truth = TRUTH | {"mask_ms": 0.2, "fill_ms": 0.03}
+    costs = TokenCosts.fit(lanes_timing(truth, 400, 0.05, seed=3))
+    for part in ("layer_ms", "mask_ms", "fill_ms"):
+        assert getattr(costs, part) == pytest.approx(truth[part], abs=0.01), part
+    fill_mode = costs.token_features(np.array([5]), np.array([2]), np.ones(1), np.zeros(1), fill=True)[0]
+    mask_mode = costs.token_features(np.array([5]), np.array([2]), np.ones(1), np.zeros(1), fill=False)[0]
+    assert fill_mode[PARTS.index("mask_ms")] == 0 and mask_mode[PARTS.index("mask_ms")] == 6
+    assert mask_mode[PARTS.index("fill_ms")] == 0 and fill_mode[PARTS.index("fill_ms")] == N_LAYER - 6
+
+
+def test_an_interval_over_rounds_holds_what_changes_between_them():
+    """Rounds whose parts drift apart by a few per cent widen the interval several times over rounds that do
+    not, for the same tokens; one round alone cannot see the drift."""
+    def width(fit: TokenCosts) -> float:
+        low, high = fit.intervals["head_ms"]
+        return high - low
+
+    steady = TokenCosts.fit(lanes_timing(TRUTH, 100, 0.05, seed=4, rounds=4))
+    drifting = TokenCosts.fit(lanes_timing(TRUTH, 100, 0.05, seed=4, rounds=4, drift=0.04))
+    assert width(drifting) > 3 * width(steady)
+    assert width(TokenCosts.fit(lanes_timing(TRUTH, 400, 0.05, seed=4, drift=0.04))) < width(drifting) / 3
+
+
 def test_a_predicted_speedup_carries_the_costs_noise():
     """The same decisions priced by costs timed with more noise get a wider interval around the same point."""
-    truth = dict(fixed_ms=2.0, layer_ms=0.5, head_ms=3.0, draft_ms=0.3, check_ms=0.02, stop_ms=0.1, fill_ms=0.05)
     rng = np.random.default_rng(0)
     exit_layer = rng.integers(4, N_LAYER, 1000)
     kind = np.where(exit_layer < N_LAYER - 1, 2, 0)
     prompt = np.repeat(np.arange(20), 50)
     widths = []
     for noise in (0.05, 2.0):
-        costs = TokenCosts.fit(lanes_timing(truth, 200, noise, seed=2))
+        costs = TokenCosts.fit(lanes_timing(TRUTH, 200, noise, seed=2))
         features = costs.token_features(exit_layer, kind, np.ones(1000), np.zeros(1000), fill=False)
         per_prompt = np.stack([np.bincount(prompt, weights=column) for column in features.T], axis=-1)
         low, high = costs.speedup_interval(per_prompt, np.bincount(prompt).astype(float))

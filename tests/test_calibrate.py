@@ -74,7 +74,7 @@ def test_calibrate_tiny_model_end_to_end(tiny_run):
     costs = pack.provenance["costs_ms"]
     for part, (low, high) in costs["intervals"].items():  # as measured (a tiny model's layers are noise), with
         assert low <= costs[part] <= high                  # the interval that says so
-    assert costs["fixed_ms"] + costs["n_layer"] * costs["layer_ms"] + costs["head_ms"] > 0  # a plain token's median
+    assert costs["plain_ms"] > 0  # a plain token's median
     assert pack.provenance["kv_mode"] == "fill"
     shipped = {level.quality: level for level in pack.levels[:-1]}
     for stats in report.levels:
@@ -216,7 +216,8 @@ def test_a_temperature_is_fitted_kept_and_graded_on_other_steps():
 
 def test_the_cost_lanes_force_the_parts_they_are_named_after(tiny_run):
     """Each lane of runtime/costs.py does what its formula says on the real runtime: checked lanes check and
-    never stop, the native and callback stops stop where they are named, the draft lane reads the in-graph timer."""
+    never stop, the native and callback stops stop where they are named, mask-mode stops pay the depth mask
+    and fill-mode ones do not, the draft lane reads the in-graph timer."""
     config, _ = tiny_run
     engine = Engine(config.model, pack=config.output, config=EngineConfig(n_ctx=256, n_threads=THREADS))
     tokens = engine.tokenize("the quick brown fox jumps over the lazy dog and runs away")
@@ -225,7 +226,7 @@ def test_the_cost_lanes_force_the_parts_they_are_named_after(tiny_run):
     try:
         for lane in lanes:
             lane.start(tokens[:3])
-            for token in tokens[3:9]:
+            for step, token in enumerate(tokens[3:9]):
                 lane.step(token)
                 if lane.name == "plain":
                     continue
@@ -235,7 +236,11 @@ def test_the_cost_lanes_force_the_parts_they_are_named_after(tiny_run):
                 else:
                     assert info.exit_layer == lane.layers_run - 1, lane.name
                     assert info.exit_kind == (ExitKind.VERIFIED if lane.name.startswith("stop_head") else ExitKind.HEAD_FREE)
-                    assert info.probes == (1 if lane.name.startswith("stop_native") else 0)  # a callback is no native check
+                    native = lane.name.startswith(("stop_mask", "stop_fill"))
+                    assert info.probes == (1 if native else 0)  # a callback is no native check
+                # the cells a stop skipped are masked from the next token on, unless fill mode filled them
+                assert info.graph.depth_mask == (lane.name.startswith("stop_") and not lane.name.startswith("stop_fill")
+                                                 and step > 0), (lane.name, step)
             assert len(lane.samples) == 6
         draft = next(lane for lane in lanes if lane.name == "draft")
         assert min(draft.samples) > 0 and max(draft.samples) < 1e3  # the timer's milliseconds, not a wall clock's

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.special import log_softmax, softmax
 
+from specee_edge.bootstrap import ratio_interval
 from specee_edge.engine import GREEDY, Engine, TokenRecord
 from specee_edge.exits import ExitKind
 from specee_edge.runtime import Context
@@ -31,25 +32,30 @@ class Agreement:
     agreement: float             # share of decode steps whose token equals the full model's argmax (1.0 without steps)
     candidate_mass: float | None  # at head-free steps: the full model's probability mass on the step's candidates
     head_free_steps: int
+    interval: tuple[float, float]  # 95%, bootstrapped over the prompts
 
 
 def agreement(ctx: Context, prompts: Sequence[Sequence[int]], records: Sequence[Sequence[TokenRecord]],
               advance: Callable[[float], None] = lambda n: None) -> Agreement:
     """records: a lane's, one list per prompt (the first from the prompt pass). A head-free step chose among
     its candidates only: what the full model would have given the rest is what sampling there leaves out."""
-    matches = steps = 0
+    matches, steps = [], []  # per prompt
     masses = []
     for prompt, answer in zip(prompts, records):
         output = [r.id for r in answer]
         if len(output) < 2:
             continue
+        matches.append(0)
+        steps.append(len(output) - 1)
         for record, token, logits in zip(answer[1:], output[1:], full_model_logits(ctx, prompt, output)):
-            matches += int(np.argmax(logits)) == token
-            steps += 1
+            matches[-1] += int(np.argmax(logits)) == token
             if record.exit_kind == ExitKind.HEAD_FREE:
                 masses.append(float(softmax(logits.astype(np.float64))[list(record.candidates)].sum()))
         advance(len(output) - 1)
-    return Agreement(matches / steps if steps else 1.0, float(np.mean(masses)) if masses else None, len(masses))
+    if not steps:
+        return Agreement(1.0, None, 0, (1.0, 1.0))
+    return Agreement(sum(matches) / sum(steps), float(np.mean(masses)) if masses else None, len(masses),
+                     ratio_interval(np.array(matches), np.array(steps)))
 
 
 # Batched graphs use other matrix kernels than single-token ones, so exact mode's verification can flip an

@@ -73,6 +73,7 @@ class ModeResult:
     calibrated_speedup: float | None = None
     calibrated_speedup_sampled: float | None = None
     calibrated_agreement: tuple[float, float] | None = None  # lossy levels: the stored 95% interval
+    agreement_interval: tuple[float, float] | None = None  # the bench's own 95% interval, over its prompts
 
 
 @dataclass
@@ -105,6 +106,8 @@ class BenchResult:
     # per category, the mean share of vanilla greedy's answer tokens inside a 4-gram it already said
     repetition_by_category: dict[str, float] = field(default_factory=dict)
     looping_answers: int = 0                   # vanilla greedy answers at least half repeated (quality.LOOP_SHARE)
+    repetition_sampled_by_category: dict[str, float] = field(default_factory=dict)  # ... of vanilla sampled's
+    looping_answers_sampled: int = 0
 
     @property
     def main(self) -> ModeResult:
@@ -157,12 +160,15 @@ class BenchResult:
             ("vanilla", f"{self.vanilla_tok_s:.1f} tok/s ({1e3 / self.vanilla_tok_s if self.vanilla_tok_s else 0:.2f} ms per step)"
                         + (f", sampled {self.vanilla_sampled_tok_s:.1f} tok/s" if self.vanilla_sampled_tok_s else "")),
             ("oracle_speedup", f"verified {self.oracle_speedup:.3f}x, head-free {self.oracle_head_free_speedup:.3f}x"),
-            ("costs (ms)", f"layer {c.layer_ms:.3f}, head {c.head_ms:.2f}, draft {c.draft_ms:.3f}, "
+            ("costs (ms)", f"layer {c.layer_ms:.3f} ({c.mask_ms:+.3f} masked), head {c.head_ms:.2f}, draft {c.draft_ms:.3f}, "
                            f"check {c.check_ms:.3f}, fixed {c.fixed_ms:.2f}"),
             ("ppl_full", f"{self.ppl_full:.2f} ({self.ppl_tokens} held-out tokens)"),
             ("repetition", ", ".join(f"{c} {r:.2f}" for c, r in self.repetition_by_category.items())
                            + f" (vanilla greedy's tokens in a repeated 4-gram); {self.looping_answers} of {self.prompts}"
                            " answers loop (half or more)"),
+            ("repetition, sampled", ", ".join(f"{c} {r:.2f}" for c, r in self.repetition_sampled_by_category.items())
+                                    + f"; {self.looping_answers_sampled} of {self.prompts} answers loop"
+                                    if self.repetition_sampled_by_category else "-"),
         ]
         if self.peer and self.peer.speedup_no_loop is not None:
             rows.append(("peer, no loops", f"{self.peer.speedup_no_loop:.3f}x greedy on the answers that do not loop"))
@@ -211,7 +217,7 @@ class BenchResult:
         rows = [
             ("specee tok/s", lambda m: f"{m.specee_tok_s:.1f}"),
             ("calibrated speedup (greedy / sampled)", calibrated_cell),
-            ("calibrated agreement: interval, inside; promise kept", agreement_cell),
+            ("calibrated agreement: interval, inside; bench's interval, overlap; promise kept", agreement_cell),
             ("speedup greedy, answers that do not loop", lambda m: "-" if m.speedup_no_loop is None else f"{m.speedup_no_loop:.3f}x"),
             ("gain_captured (head-free oracle)", lambda m: "-" if m.gain_captured is None else f"{m.gain_captured:+.2f}"),
             ("predictor_calls_per_token", lambda m: f"{m.predictor_calls_per_token:.2f}"),
@@ -286,7 +292,11 @@ def agreement_cell(m: ModeResult) -> str:
     if m.calibrated_agreement is None:
         return "-"
     low, high = m.calibrated_agreement
-    return (f"{low:.3f}-{high:.3f}, {'yes' if low <= m.agreement <= high else 'no'}; "
+    bench = ""
+    if m.agreement_interval is not None:
+        bench_low, bench_high = m.agreement_interval
+        bench = f"{bench_low:.3f}-{bench_high:.3f}, {'yes' if bench_low <= high and low <= bench_high else 'no'}; "
+    return (f"{low:.3f}-{high:.3f}, {'yes' if low <= m.agreement <= high else 'no'}; {bench}"
             f"{'yes' if m.agreement >= m.quality - 1e-9 else 'no'}")
 
 

@@ -149,7 +149,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     cost = cost_lanes(model, draft_setup(first), n_ctx=seq_ctx, n_threads=config.threads, k=k)
     run_interleaved(prompts, vanilla, [*lanes, *([peer] if peer else [])], cost,
                     reporter.task("decoding, greedy", len(prompts) * (config.tokens - 1)))
-    costs = TokenCosts.fit(cost)
+    costs = TokenCosts.fit([cost])
     for lane in cost:
         lane.ctx.close()
 
@@ -184,6 +184,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     # how much of each vanilla greedy answer repeats itself, and the answers that do not loop
     repeated = [repetition(output) for output in vanilla.outputs]
     no_loop = [i for i, share in enumerate(repeated) if share < LOOP_SHARE]
+    repeated_sampled = [repetition(output) for output in vanilla_sampled.outputs] if vanilla_sampled else []
     modes = [
         mode_result(lane, vanilla, oracle, costs, categories, no_loop,
                     agreement=agreement(reference, prompts, lane.records, advance),
@@ -207,11 +208,16 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
         vanilla_sampled_tok_s=vanilla_sampled.timing.tok_s if vanilla_sampled else None,
         peer=lane_speed(peer, vanilla, no_loop) if peer else None,
         peer_sampled=lane_speed(peer_sampled, vanilla_sampled) if peer_sampled and vanilla_sampled else None,
-        repetition_by_category={c: float(np.mean([r for r, cat in zip(repeated, categories) if cat == c]))
-                                for c in sorted(set(categories))},
+        repetition_by_category=by_category(repeated, categories),
         looping_answers=len(repeated) - len(no_loop),
+        repetition_sampled_by_category=by_category(repeated_sampled, categories) if vanilla_sampled else {},
+        looping_answers_sampled=sum(share >= LOOP_SHARE for share in repeated_sampled),
         seconds=time.perf_counter() - start, command=config.command,
     )
+
+
+def by_category(values: Sequence[float], categories: Sequence[str]) -> dict[str, float]:
+    return {c: float(np.mean([v for v, cat in zip(values, categories) if cat == c])) for c in sorted(set(categories))}
 
 
 def peer_lane(config: BenchConfig, is_eog, sampling: SamplingParams | None = None) -> PeerLane:
@@ -287,6 +293,7 @@ def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, costs: T
         calibrated_speedup=level.speedup if level else None,
         calibrated_speedup_sampled=level.speedup_sampled if level and level.exact else None,
         calibrated_agreement=level.agreement_interval() if level and not level.exact and level.steps else None,
+        agreement_interval=agreement.interval,
     )
 
 

@@ -47,7 +47,7 @@ from specee_edge.pack.format import EXACT_QUALITY, IDENTICAL_FLOOR, DraftHead
 from specee_edge.pack.convert import predictors_from_npz, predictors_to_npz
 from specee_edge.predictor import MLPPredictor
 from specee_edge.runtime import Model
-from specee_edge.runtime.costs import DraftSetup, TokenCosts, measure_costs
+from specee_edge.runtime.costs import ROUNDS, DraftSetup, TokenCosts, measure_costs
 from specee_edge.runtime.weights import TargetWeights
 from specee_edge.threads import default_threads
 
@@ -60,7 +60,7 @@ STEPS = 9  # the stages, for the progress bars
 # least IDENTICAL_FLOOR of them (one wrong token can break a program)
 AGREEMENT_FLOOR = 0.98
 COST_ANSWERS = 3  # calibration-split greedy answers the cost lanes decode ...
-COST_TOKENS = 48  # ... steps of each, per round
+COST_TOKENS = 48  # ... steps of each, in each of the cost rounds
 
 
 @dataclass
@@ -245,7 +245,7 @@ class Calibration:
             heldout_greedy = [shard for shard in self.greedy if shard.prompt in test_p]
             cost_answers = (calib_greedy or self.greedy)[:COST_ANSWERS]
             advance = stage("costs on this machine (steps)",
-                            3 * sum(min(COST_TOKENS, shard.steps) for shard in cost_answers))
+                            ROUNDS * sum(min(COST_TOKENS, shard.steps) for shard in cost_answers))
             t0 = time.perf_counter()
             costs = self.costs(draft, predictors[max(predictors)], cost_answers, advance)
             self.seconds["costs"] = time.perf_counter() - t0

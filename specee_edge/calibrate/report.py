@@ -95,7 +95,7 @@ class CalibrationReport:
         summary.add_column(style="bold")
         summary.add_column(justify="right")
         d, c = self.draft, self.costs
-        plain = c["fixed_ms"] + c["n_layer"] * c["layer_ms"] + c["head_ms"]
+        plain = c["plain_ms"]
         rows = [
             ("prompts / answers", f"{self.prompts} / {self.answers}"),
             ("steps / train steps", f"{self.tokens} / {self.train_tokens}"),
@@ -103,7 +103,8 @@ class CalibrationReport:
             ("recall@1 / @k / after an exit", f"{d.recall_at_1:.3f} / {d.recall_at_k:.3f} / {d.recall_at_k_after_exit:.3f}"),
             ("recall@k with prompt lookup", f"{d.recall_at_k_merged:.3f}"),
             ("a token, plain decoding", f"{plain:.2f} ms"),
-            ("a layer / the LM head", f"{c['layer_ms']:.3f} / {c['head_ms']:.3f} ms"),
+            ("a layer / its depth mask / the LM head",
+             f"{c['layer_ms']:.3f} / {c.get('mask_ms', 0.0):.3f} / {c['head_ms']:.3f} ms"),
             ("the draft (in the graph)", f"{c['draft_ms']:.3f} ms ({c['draft_ms'] / plain:.1%})"),
             ("a check / a stop / a fill", f"{c['check_ms'] * 1e3:.0f} / {c['stop_ms'] * 1e3:.0f} / {c['fill_ms'] * 1e3:.0f} us"),
             ("oracle exit layer (layers)", f"{self.oracle_avg_exit_layer:.2f} ({self.oracle_layer_speedup:.3f}x)"),

@@ -2,30 +2,40 @@
 
 Lanes decode the same tokens one at a time, in turns (a change in machine speed hits all of them
 alike); each forces a known mix of parts, and the parts follow from differences of their times
-(n layers; stops after layer l at a quarter, half and three quarters of the depth, m the middle one):
+(n layers; stops after layer l at a quarter, half and three quarters of the depth):
 
-    plain            F + n L + H                  our context, early exit off
+    plain            P                            our context, early exit off: the stock graph
     checked_one      F + n L + H + D + C          the draft and one native check that never fires
     checked_all      F + n L + H + D + n C        ... a check after every layer
     draft            D                            the in-graph timer of the draft (its own lane: timing
                                                   adds a scheduler split)
-    stop_free(l)     F + (l+1) L + S' + B         a head-free stop after layer l (mask mode), forced by a
-                                                  Python probe callback (its cost B, and its stop S')
-    stop_head(l)     F + (l+1) L + S' + B + H     the same stop paying the exit head
-    stop_fill(l)     stop_free(l) + (n-1-l) K     a head-free stop in fill mode
-    stop_native(m)   F + (m+1) L + D + C + S      a native head-free stop, as the engine stops
+    stop_mask(l)     F + (l+1)(L + M) + D + C + S a native check that always fires, head-free, mask mode:
+                                                  a stop as the engine stops
+    stop_fill(l)     F + (l+1) L + D + C + S      the same in fill mode
+                       + (n-1-l) K
+    stop_free(l)     X(l)                         a head-free stop forced by a Python probe callback (its
+                                                  graph probes every layer and calls back: X is not a part)
+    stop_head(l)     X(l) + H                     the same stop paying the exit head
 
-F is what every token pays whatever it does, L a layer, H the full-vocabulary LM head, D the in-graph
-draft, C one check (probe, read-back, predictor), S a stop, K rebuilding one skipped layer's K/V.
+P is a token of plain decoding. F is what every token with early exit on pays whatever it does (its
+graph is hooked: the scheduler asks at each node whether a probe needs it, which plain decoding never
+does), L a layer of that graph, M what the depth mask adds to a layer (in mask mode, once a token has
+stopped early, every layer's attention masks the cells it skipped; in fill mode and while no token has
+stopped there is nothing to mask), H the full-vocabulary LM head, D the in-graph draft, C one check
+(probe, read-back, predictor), S a stop, K rebuilding one skipped layer's K/V. The mask and fill stops
+are two lines in the layers run: their slopes are L + M and L - K, and their intercepts differ by n K,
+which separates the three.
 
 A lane's time is the median of its tokens (one token slowed by the machine moves it little), and the
 lanes take their turns in a new random order at every token, so that no lane always runs first after
-the caches were cooled by another. A difference of medians can come out below zero where a part is too
-small to see (a tiny model's layers): it is kept as measured, never clipped, and the 95% interval of
-every part (a bootstrap over the timed tokens, each with all of its lanes) says how far it can be
-trusted. Calibration prices its decisions with these (TokenCosts.token_ms), turns a level on only
-where its predicted gain stands clear of that interval, and stores them in the pack; the bench
-measures them in its own run for the oracles.
+the caches were cooled by another. A measurement is several rounds, each on fresh contexts (new
+buffers, wherever they land) timing the same tokens: the 95% interval of every part is a bootstrap that
+draws rounds, then tokens within each (each token with all of its lanes), so that it holds what changes
+from one set of contexts to the next as well as from token to token. A difference of medians can come
+out below zero where a part is too small to see (a tiny model's layers): it is kept as measured, never
+clipped, and its interval says how far it can be trusted. Calibration prices its decisions with these
+(TokenCosts.token_ms), turns a level on only where its predicted gain stands clear of that interval, and
+stores them in the pack; the bench measures them in its own run for the oracles.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from specee_edge.bootstrap import resampled_rows
+from specee_edge.bootstrap import RESAMPLES, resampled_rows
 from specee_edge.exits import ExitKind
 from specee_edge.runtime.context import Context
 from specee_edge.runtime.model import Model
@@ -114,11 +124,6 @@ def stop_layers(n_layer: int) -> list[int]:
     return sorted({max(0, round(n_layer * f) - 1) for f in STOP_FRACTIONS})
 
 
-def native_stop_layer(n_layer: int) -> int:
-    layers = stop_layers(n_layer)
-    return layers[len(layers) // 2]
-
-
 def cost_lanes(model: Model, setup: DraftSetup, *, n_ctx: int, n_threads: int, k: int) -> list[CostLane]:
     """The lanes of the module docstring, on fresh contexts."""
     n_layer = model.info.n_layer
@@ -129,10 +134,10 @@ def cost_lanes(model: Model, setup: DraftSetup, *, n_ctx: int, n_threads: int, k
             ctx.enable_early_exit(k, kv_mode)
         return ctx
 
-    def checked(layers: list[int], threshold: float = 1.0) -> Context:
+    def checked(layers: list[int], threshold: float = 1.0, kv_mode: str = "mask") -> Context:
         """The draft and a native check after each of `layers` (threshold 1: a sigmoid never exceeds it, so
         checked and never fired; below 0: every check stops the token, head-free)."""
-        ctx = context("mask")
+        ctx = context(kv_mode)
         ctx.set_draft(**setup.draft)
         weights, biases = setup.predictor
         for il in layers:
@@ -146,27 +151,32 @@ def cost_lanes(model: Model, setup: DraftSetup, *, n_ctx: int, n_threads: int, k
         ctx.set_timing(True)
         return ctx
 
-    def stopping(layer: int, kind: ExitKind, kv_mode: str) -> Context:
-        ctx = context(kv_mode)
+    def stopping(layer: int, kind: ExitKind) -> Context:
+        ctx = context("mask")
         ctx.set_candidates(list(range(k)))
         ctx.set_probe_layers([layer])
         ctx.set_probe_callback(lambda il, cand_logits: kind)
         return ctx
 
-    native = native_stop_layer(n_layer)
     lanes = [CostLane("plain", context(None), n_layer),
              CostLane("checked_one", checked([n_layer - 1]), n_layer),
              CostLane("checked_all", checked(list(range(n_layer))), n_layer),
-             CostLane("draft", timed_draft(), n_layer, in_graph_draft=True),
-             CostLane(f"stop_native@{native}", checked([native], threshold=-1.0), native + 1)]
+             CostLane("draft", timed_draft(), n_layer, in_graph_draft=True)]
     for layer in stop_layers(n_layer):
-        lanes += [CostLane(f"stop_free@{layer}", stopping(layer, ExitKind.HEAD_FREE, "mask"), layer + 1),
-                  CostLane(f"stop_head@{layer}", stopping(layer, ExitKind.VERIFIED, "mask"), layer + 1),
-                  CostLane(f"stop_fill@{layer}", stopping(layer, ExitKind.HEAD_FREE, "fill"), layer + 1)]
+        lanes += [CostLane(f"stop_mask@{layer}", checked([layer], threshold=-1.0), layer + 1),
+                  CostLane(f"stop_fill@{layer}", checked([layer], threshold=-1.0, kv_mode="fill"), layer + 1),
+                  CostLane(f"stop_free@{layer}", stopping(layer, ExitKind.HEAD_FREE), layer + 1),
+                  CostLane(f"stop_head@{layer}", stopping(layer, ExitKind.VERIFIED), layer + 1)]
     return lanes
 
 
-PARTS = ("fixed_ms", "layer_ms", "head_ms", "draft_ms", "check_ms", "stop_ms", "fill_ms")
+PARTS = ("plain_ms", "fixed_ms", "layer_ms", "mask_ms", "head_ms", "draft_ms", "check_ms", "stop_ms", "fill_ms")
+
+
+def line(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Least-squares intercept and slope of y (points on the last axis, any leading axes) against x."""
+    slope = ((x - x.mean()) * (y - y.mean(-1, keepdims=True))).sum(-1) / ((x - x.mean()) ** 2).sum()
+    return y.mean(-1) - slope * x.mean(), slope
 
 
 def fit_parts(ms: dict[str, np.ndarray], n_layer: int) -> np.ndarray:
@@ -174,18 +184,25 @@ def fit_parts(ms: dict[str, np.ndarray], n_layer: int) -> np.ndarray:
     axes (one per bootstrap resample), and so does the result."""
     layers = stop_layers(n_layer)
     x = np.array(layers, dtype=float) + 1
-    free = np.stack([ms[f"stop_free@{il}"] for il in layers], axis=-1)
-    # least squares over the stops: free = intercept + slope * layers run (the callback's B cancels in the
-    # slope, in the head's difference and in the fill's)
-    slope = ((x - x.mean()) * (free - free.mean(-1, keepdims=True))).sum(-1) / ((x - x.mean()) ** 2).sum()
-    head = np.mean([ms[f"stop_head@{il}"] for il in layers], axis=0) - free.mean(-1)
-    fixed = ms["plain"] - n_layer * slope - head
+    at_0, masked_layer = line(x, np.stack([ms[f"stop_mask@{il}"] for il in layers], axis=-1))
+    fill_at_0, layer_less_fill = line(x, np.stack([ms[f"stop_fill@{il}"] for il in layers], axis=-1))
+    fill = (fill_at_0 - at_0) / n_layer
+    layer = layer_less_fill + fill
+    head = np.mean([ms[f"stop_head@{il}"] - ms[f"stop_free@{il}"] for il in layers], axis=0)
     check = (ms["checked_all"] - ms["checked_one"]) / (n_layer - 1)
     draft = ms["draft"]
-    native = native_stop_layer(n_layer)
-    stop = ms[f"stop_native@{native}"] - fixed - (native + 1) * slope - draft - check
-    fill = np.mean([(ms[f"stop_fill@{il}"] - ms[f"stop_free@{il}"]) / (n_layer - 1 - il) for il in layers], axis=0)
-    return np.stack([fixed, slope, head, draft, check, stop, fill], axis=-1)
+    fixed = ms["checked_one"] - n_layer * layer - head - draft - check
+    stop = at_0 - fixed - draft - check
+    return np.stack([ms["plain"], fixed, layer, masked_layer - layer, head, draft, check, stop, fill], axis=-1)
+
+
+def resampled_tokens(rounds: int, tokens: int, seed: int) -> np.ndarray:
+    """[RESAMPLES, rounds * tokens] indices into `rounds` rounds of `tokens` timed tokens laid end to end:
+    each resample draws rounds with replacement, then tokens with replacement within each drawn round."""
+    rng = np.random.default_rng(seed)
+    drawn = rng.integers(0, rounds, (RESAMPLES, rounds))
+    within = rng.integers(0, tokens, (RESAMPLES, rounds, tokens))
+    return (drawn[..., None] * tokens + within).reshape(RESAMPLES, rounds * tokens)
 
 
 @dataclass(frozen=True)
@@ -194,8 +211,10 @@ class TokenCosts:
     interval; `resampled` holds the parts of each bootstrap resample (not stored in the pack)."""
 
     n_layer: int
+    plain_ms: float  # a token that runs every layer and the output head, with early exit off
     fixed_ms: float
     layer_ms: float
+    mask_ms: float  # per layer run under the depth mask
     head_ms: float
     draft_ms: float
     check_ms: float
@@ -205,12 +224,14 @@ class TokenCosts:
     resampled: np.ndarray | None = field(default=None, repr=False, compare=False)  # [resamples, len(PARTS)]
 
     @classmethod
-    def fit(cls, lanes: Sequence[CostLane], seed: int = 0) -> TokenCosts:
-        """From lanes that timed the same tokens (their samples are aligned token by token)."""
-        n = next(lane.layers_run for lane in lanes if lane.name == "plain")
-        samples = {lane.name: np.array(lane.samples) for lane in lanes}
+    def fit(cls, rounds: Sequence[Sequence[CostLane]], seed: int = 0) -> TokenCosts:
+        """From rounds of lanes that timed the same tokens (their samples are aligned token by token, and every
+        round timed as many)."""
+        n = next(lane.layers_run for lane in rounds[0] if lane.name == "plain")
+        by_name = [{lane.name: lane.samples for lane in lanes} for lanes in rounds]
+        samples = {name: np.concatenate([round_[name] for round_ in by_name]) for name in by_name[0]}
         parts = fit_parts({name: np.median(ms) for name, ms in samples.items()}, n)
-        rows = resampled_rows(len(samples["plain"]), seed)
+        rows = resampled_tokens(len(rounds), len(rounds[0][0].samples), seed)
         resampled = fit_parts({name: np.median(ms[rows], axis=-1) for name, ms in samples.items()}, n)
         low, high = np.percentile(resampled, [2.5, 97.5], axis=0)
         intervals = {part: (float(lo), float(hi)) for part, lo, hi in zip(PARTS, low, high)}
@@ -220,26 +241,24 @@ class TokenCosts:
     def parts(self) -> np.ndarray:
         return np.array([getattr(self, part) for part in PARTS])
 
-    @property
-    def plain_ms(self) -> float:
-        """A token that runs every layer and the output head, with early exit off."""
-        return self.fixed_ms + self.n_layer * self.layer_ms + self.head_ms
-
     def plain_features(self) -> np.ndarray:
         """What a plain token pays of each part (PARTS order): plain_ms = plain_features() @ parts."""
-        return np.array([1.0, self.n_layer, 1.0, 0.0, 0.0, 0.0, 0.0])
+        return np.eye(len(PARTS))[PARTS.index("plain_ms")]
 
     def token_features(self, exit_layer: np.ndarray, kind: np.ndarray, checks: np.ndarray, rejections: np.ndarray,
                        *, fill: bool) -> np.ndarray:
         """[tokens, len(PARTS)]: how many of each part a token pays with early exit on (the draft runs):
         exit_layer n_layer - 1 where none, kind the ExitKind of each, checks and rejected verifications
-        counted per token."""
+        counted per token. In mask mode every layer run pays the mask (once any token stopped early, the
+        cells it skipped are masked at every later step)."""
         exit_layer = np.asarray(exit_layer)
         exited = np.asarray(kind) != ExitKind.NONE
         heads = np.where(np.asarray(kind) == ExitKind.HEAD_FREE, 0, 1) + np.asarray(rejections)
         skipped = np.where(exited, self.n_layer - 1 - exit_layer, 0) if fill else np.zeros(len(exit_layer))
-        return np.stack([np.ones(len(exit_layer)), exit_layer + 1, heads, np.ones(len(exit_layer)),
-                         np.asarray(checks), exited, skipped], axis=-1).astype(float)
+        layers_run = exit_layer + 1
+        none, every = np.zeros(len(exit_layer)), np.ones(len(exit_layer))
+        return np.stack([none, every, layers_run, none if fill else layers_run, heads, every, np.asarray(checks),
+                         exited, skipped], axis=-1).astype(float)
 
     def token_ms(self, exit_layer: np.ndarray, kind: np.ndarray, checks: np.ndarray, rejections: np.ndarray,
                  *, fill: bool) -> np.ndarray:
@@ -273,26 +292,39 @@ class TokenCosts:
         return {field_.name: getattr(self, field_.name) for field_ in fields(self) if field_.name != "resampled"}
 
 
+ROUNDS = 3
+WARMUP_TOKENS = 4
+
+
 def measure_costs(model: Model, setup: DraftSetup, answers: Sequence[tuple[Sequence[int], int]], *, n_threads: int,
-                  k: int, rounds: int = 2, seed: int = 0, advance: Callable[[int], None] = lambda n: None) -> TokenCosts:
-    """Every lane decodes each answer's tokens (the first n_prompt of (tokens, n_prompt) as a prompt, the rest
-    one at a time), all lanes a token before the next, in a new random order at each; a first untimed
-    round builds what each lane builds once (graphs, the exit head, the fill graphs)."""
+                  k: int, rounds: int = ROUNDS, seed: int = 0,
+                  advance: Callable[[int], None] = lambda n: None) -> TokenCosts:
+    """Each round, fresh lanes decode each answer's tokens (the first n_prompt of (tokens, n_prompt) as a
+    prompt, the rest one at a time), all lanes a token before the next, in a new random order at each. A few
+    untimed tokens first build what each lane builds once (graphs, the exit head, the fill graphs)."""
     rng = np.random.default_rng(seed)
-    lanes = cost_lanes(model, setup, n_ctx=max(len(tokens) for tokens, _ in answers) + 8, n_threads=n_threads, k=k)
-    try:
-        for round_ in range(rounds + 1):
-            if round_ == 1:
-                for lane in lanes:
-                    lane.restart_timing()
-            for tokens, n_prompt in answers:
-                for lane in lanes:
-                    lane.start(tokens[:n_prompt])
-                for token in tokens[n_prompt:]:
-                    for i in rng.permutation(len(lanes)):
-                        lanes[i].step(token)
-                    advance(1)
-    finally:
-        for lane in lanes:
-            lane.ctx.close()
-    return TokenCosts.fit(lanes, seed)
+
+    def in_turns(lanes: list[CostLane], answers: Sequence[tuple[Sequence[int], int]], advance) -> None:
+        for tokens, n_prompt in answers:
+            for lane in lanes:
+                lane.start(tokens[:n_prompt])
+            for token in tokens[n_prompt:]:
+                for i in rng.permutation(len(lanes)):
+                    lanes[i].step(token)
+                advance(1)
+
+    n_ctx = max(len(tokens) for tokens, _ in answers) + 8
+    (first, n_first), *_ = answers
+    timed = []
+    for _ in range(rounds):
+        lanes = cost_lanes(model, setup, n_ctx=n_ctx, n_threads=n_threads, k=k)
+        try:
+            in_turns(lanes, [(first[: n_first + WARMUP_TOKENS], n_first)], lambda n: None)
+            for lane in lanes:
+                lane.restart_timing()
+            in_turns(lanes, answers, advance)
+        finally:
+            for lane in lanes:
+                lane.ctx.close()
+        timed.append(lanes)
+    return TokenCosts.fit(timed, seed)
