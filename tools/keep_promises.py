@@ -15,7 +15,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from specee_edge.calibrate.levels import keep_promises
+from specee_edge.calibrate.levels import keep_promises, shipped_quality
 from specee_edge.pack import Pack, read_pack, write_pack
 from specee_edge.pack.format import quality_name
 
@@ -30,8 +30,7 @@ def promised(pack: Pack) -> tuple[Pack, list[str]]:
     kept = sorted((level for level in shipped if level is not None), key=lambda level: level.quality)
     default = pack.default_quality
     if default is not None and default in [level.quality for level in lossy]:
-        index = [level.quality for level in lossy].index(default)
-        default = next((level.quality for level in shipped[index:] if level is not None), None)
+        default = shipped_quality(shipped, [level.quality for level in lossy].index(default))
     provenance = pack.provenance | {"promises": "lossy levels renamed by their stored interval: " + "; ".join(changes)}
     levels = kept + [level for level in pack.levels if level.exact]
     if default is None:

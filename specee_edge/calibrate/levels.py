@@ -255,7 +255,6 @@ def check_with_engine(search: LevelSearch, choices: list[LevelChoice], measure: 
     return checked
 
 
-
 def turned_off(level: QualityLevel) -> QualityLevel:
     """The level with every layer off: it decodes plainly."""
     return dataclasses.replace(level, exits=dict.fromkeys(level.exits, OFF), offline=[])
@@ -288,3 +287,9 @@ def keep_promises(levels: list[QualityLevel]) -> list[QualityLevel | None]:
             names.add(name)
             shipped.append(dataclasses.replace(level, quality=name))
     return shipped
+
+
+def shipped_quality(shipped: list[QualityLevel | None], index: int) -> float | None:
+    """The name the level at `index` ships under (keep_promises' output); dropped, it gives way to the next level
+    up (fewer exits). None where no level from there on ships."""
+    return next((level.quality for level in shipped[index:] if level is not None), None)

@@ -32,7 +32,7 @@ from specee_edge.calibrate.collect import Collector, Shard, round_sampling, shar
 from specee_edge.calibrate.draft_fit import DRAFT_RIDGE, fit_draft
 from specee_edge.calibrate.exact import ExactReport, choose_exact, prompt_tokens, with_exact
 from specee_edge.calibrate.levels import (LEVELS, LevelChoice, LevelSearch, check_with_engine, choose_levels,
-                                          keep_promises, pays, turned_off)
+                                          keep_promises, pays, shipped_quality, turned_off)
 from specee_edge.calibrate.predictor_fit import Probes, layer_features, probe_all, simulate, train_predictors
 from specee_edge.calibrate.replay import identical_answers, pick_answers, replay
 from specee_edge.calibrate.report import CalibrationReport, LayerReport, LevelReport
@@ -296,9 +296,8 @@ class Calibration:
             shipped = keep_promises(measured)
             levels = sorted((level for level in shipped if level is not None), key=lambda level: level.quality)
             # the lossy default (what --quality picks among the lossy levels) sets the temperatures; the pack's
-            # default is exact mode unless --quality names a lossy level. Dropped, it gives way to the next
-            # level up (fewer exits).
-            lossy_quality = next((level.quality for level in shipped[lossy_index:] if level is not None), None)
+            # default is exact mode unless --quality names a lossy level
+            lossy_quality = shipped_quality(shipped, lossy_index)
             advance = stage("temperatures (layers)", len(predictors))
             t0 = time.perf_counter()
             exits = chosen[lossy_index].exits
