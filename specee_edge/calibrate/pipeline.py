@@ -60,7 +60,7 @@ STEPS = 9  # the stages, for the progress bars
 # least IDENTICAL_FLOOR of them (one wrong token can break a program)
 AGREEMENT_FLOOR = 0.98
 COST_ANSWERS = 3  # calibration-split greedy answers the cost lanes decode ...
-COST_TOKENS = 48  # ... steps of each, in each of the cost rounds
+COST_TOKENS = 32  # ... steps of each, in each of the cost rounds
 
 
 @dataclass
@@ -195,15 +195,11 @@ class Calibration:
     def costs(self, draft: LinearDraft, predictor: MLPPredictor, answers: list[Shard], advance) -> TokenCosts:
         """What a layer, the head, the draft, a check, a stop and a fill cost here (runtime/costs.py),
         timed on the first COST_TOKENS steps of a few greedy answers."""
-        model = Model(self.config.model)
         setup = DraftSetup(draft.runtime_args(), (predictor.weights, predictor.biases))
         timed = [(shard.tokens[: shard.start + 1 + COST_TOKENS].tolist(), shard.start + 1) for shard in answers]
-        try:
-            with threadpool_limits(limits=1, user_api="blas"):
-                return measure_costs(model, setup, timed, n_threads=self.config.threads, k=self.config.k,
-                                     seed=self.config.seed, advance=advance)
-        finally:
-            model.close()
+        with threadpool_limits(limits=1, user_api="blas"):
+            return measure_costs(self.config.model, setup, timed, n_threads=self.config.threads, k=self.config.k,
+                                 seed=self.config.seed, advance=advance)
 
     def run(self) -> tuple[Pack, CalibrationReport]:
         config = self.config

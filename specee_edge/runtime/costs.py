@@ -27,19 +27,23 @@ are two lines in the layers run: their slopes are L + M and L - K, and their int
 which separates the three.
 
 A lane's time is the median of its tokens (one token slowed by the machine moves it little), and the
-lanes take their turns in a new random order at every token, so that no lane always runs first after
-the caches were cooled by another. A measurement is several rounds, each on fresh contexts (new
-buffers, wherever they land) timing the same tokens: the 95% interval of every part is a bootstrap that
-draws rounds, then tokens within each (each token with all of its lanes), so that it holds what changes
-from one set of contexts to the next as well as from token to token. A difference of medians can come
-out below zero where a part is too small to see (a tiny model's layers): it is kept as measured, never
-clipped, and its interval says how far it can be trusted. Calibration prices its decisions with these
-(TokenCosts.token_ms), turns a level on only where its predicted gain stands clear of that interval, and
-stores them in the pack; the bench measures them in its own run for the oracles.
+lanes take their turns in a new random order at every token, so that no lane always runs first after the
+caches were cooled by another. A measurement is several rounds, each on a freshly loaded model and fresh
+contexts (new weight and KV buffers, wherever they land) timing the same tokens: the 95% interval of
+every part is a bootstrap that draws rounds, then tokens within each (each token with all of its lanes),
+so that it holds what changes from one load to the next as well as from token to token. Such a bootstrap
+sees only as much of that change as its rounds show: in simulation (tests/test_bootstrap.py), with parts
+that drift by 3 % between rounds, the intervals of 3 rounds held the true costs 0.80 of the time
+(averaged over the parts, 0.70 for the worst), those of 6 rounds 0.97 (0.90). A difference of medians
+can come out below zero where a part is too small to see (a tiny model's layers): it is kept as
+measured, never clipped, and its interval says how far it can be trusted. Calibration prices its
+decisions with these (TokenCosts.token_ms), turns a level on only where its predicted gain stands clear
+of that interval, and stores them in the pack; the bench measures them in its own run for the oracles.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -292,16 +296,17 @@ class TokenCosts:
         return {field_.name: getattr(self, field_.name) for field_ in fields(self) if field_.name != "resampled"}
 
 
-ROUNDS = 3
+ROUNDS = 6
 WARMUP_TOKENS = 4
 
 
-def measure_costs(model: Model, setup: DraftSetup, answers: Sequence[tuple[Sequence[int], int]], *, n_threads: int,
-                  k: int, rounds: int = ROUNDS, seed: int = 0,
+def measure_costs(model_path: str | os.PathLike, setup: DraftSetup, answers: Sequence[tuple[Sequence[int], int]], *,
+                  n_threads: int, k: int, rounds: int = ROUNDS, seed: int = 0,
                   advance: Callable[[int], None] = lambda n: None) -> TokenCosts:
-    """Each round, fresh lanes decode each answer's tokens (the first n_prompt of (tokens, n_prompt) as a
-    prompt, the rest one at a time), all lanes a token before the next, in a new random order at each. A few
-    untimed tokens first build what each lane builds once (graphs, the exit head, the fill graphs)."""
+    """Each round loads the model afresh, and fresh lanes decode each answer's tokens (the first n_prompt of
+    (tokens, n_prompt) as a prompt, the rest one at a time), all lanes a token before the next, in a new
+    random order at each. A few untimed tokens first build what each lane builds once (graphs, the exit head,
+    the fill graphs)."""
     rng = np.random.default_rng(seed)
 
     def in_turns(lanes: list[CostLane], answers: Sequence[tuple[Sequence[int], int]], advance) -> None:
@@ -317,8 +322,10 @@ def measure_costs(model: Model, setup: DraftSetup, answers: Sequence[tuple[Seque
     (first, n_first), *_ = answers
     timed = []
     for _ in range(rounds):
-        lanes = cost_lanes(model, setup, n_ctx=n_ctx, n_threads=n_threads, k=k)
+        model = Model(model_path)
+        lanes = []
         try:
+            lanes = cost_lanes(model, setup, n_ctx=n_ctx, n_threads=n_threads, k=k)
             in_turns(lanes, [(first[: n_first + WARMUP_TOKENS], n_first)], lambda n: None)
             for lane in lanes:
                 lane.restart_timing()
@@ -326,5 +333,6 @@ def measure_costs(model: Model, setup: DraftSetup, answers: Sequence[tuple[Seque
         finally:
             for lane in lanes:
                 lane.ctx.close()
+            model.close()
         timed.append(lanes)
     return TokenCosts.fit(timed, seed)
