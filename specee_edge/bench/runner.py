@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 from llama_cpp import Llama
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -178,7 +179,9 @@ class FedLane(Protocol):
 
 def run_interleaved(prompts: Sequence[Sequence[int]], vanilla: VanillaLane, specee: Sequence[SpecEELane | PeerLane],
                     fed: Sequence[FedLane], advance: Callable[[int], None] = lambda n: None) -> None:
-    """Decode every prompt with every lane, token by token in turns; `advance` counts steps."""
+    """Decode every prompt with every lane, token by token in turns; `advance` counts steps. The fed lanes
+    (the cost lanes) step in a new random order at each token, as calibration's do (runtime/costs.py)."""
+    order = np.random.default_rng(0)
     steps = vanilla.max_tokens - 1
     for prompt in prompts:
         vanilla.start(prompt)
@@ -189,8 +192,8 @@ def run_interleaved(prompts: Sequence[Sequence[int]], vanilla: VanillaLane, spec
             busy = token is not None
             if busy:
                 vanilla.step(token)
-                for lane in fed:
-                    lane.step(token)
+                for i in order.permutation(len(fed)):
+                    fed[i].step(token)
             for lane in specee:
                 busy |= lane.step()
             if not busy:
