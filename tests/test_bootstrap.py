@@ -3,6 +3,8 @@ on synthetic numbers."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -131,3 +133,23 @@ def test_a_predicted_speedup_carries_the_costs_noise():
         assert low < point < high
         widths.append(high - low)
     assert widths[1] > 2 * widths[0]
+
+
+def test_two_runs_on_a_machine_two_per_cent_faster_differ_in_ms_not_in_shares_of_a_plain_token(monkeypatch):
+    """tools/compare_packs.py: a run on a machine 2 % faster throughout moves every part outside the other's
+    interval in ms, and none in shares of a plain token."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_packs", "tools/compare_packs.py")
+    tool = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "compare_packs", tool)  # its dataclass looks its module up
+    spec.loader.exec_module(tool)
+    first = TokenCosts.fit(lanes_timing(TRUTH, 100, 0.05, seed=5, rounds=3)).to_dict()
+    faster = {part: value * 0.98 for part, value in first.items() if part in PARTS}
+    faster["intervals"] = {part: (low * 0.98, high * 0.98) for part, (low, high) in first["intervals"].items()}
+    large = [part for part in PARTS if abs(first[part]) > 1.0]  # moved by 2 % beyond their intervals' width
+    in_ms = tool.cost_table([first, faster], "ms", [1.0, 1.0], "{:.3f}")
+    shares = tool.cost_table([first, faster], "shares", [first["plain_ms"], faster["plain_ms"]], "{:.3f}",
+                             skip=("plain_ms",))
+    assert in_ms.within <= in_ms.parts - len(large) and len(large) >= 3
+    assert shares.within == shares.inside == shares.parts == len(PARTS) - 1
