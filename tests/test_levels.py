@@ -23,6 +23,7 @@ from specee_edge.calibrate.levels import (
 from specee_edge.calibrate.predictor_fit import Probes, simulate, train_predictors
 from specee_edge.calibrate.replay import Replay
 from specee_edge.calibrate.temperature import cross_entropy, fit_beta
+from specee_edge.shipped import shipped_dir
 from specee_edge.exits import ExitKind
 from specee_edge.pack.format import OFF, LayerExit, QualityLevel, Schedule
 from specee_edge.predictor.rule import decide
@@ -248,3 +249,16 @@ def test_an_older_pack_is_renamed_by_its_stored_interval():
     assert len(changes) == 1 and claims.quality not in [lv.quality for lv in new.levels]
     assert any(lv.exits == level.exits and lv.quality <= level.agreement_interval()[0] for lv in new.levels)
     assert tool.promised(new)[1] == []
+
+
+@pytest.mark.parametrize("path", sorted(shipped_dir().glob("*.specee.gguf")), ids=lambda path: path.name)
+def test_every_shipped_level_holds_its_name_at_the_low_end_of_a_bootstrapped_interval(path):
+    """No level ships under a name its held-out interval (bootstrapped over prompts, not Wilson's over steps)
+    does not reach at its low end; a level with every layer off decodes plainly and holds any name."""
+    from specee_edge.pack import read_pack
+
+    for level in read_pack(path).levels:
+        if level.exact or not level.on_layers:
+            continue
+        assert level.agreement_high > 0, f"{level.quality:g}: no bootstrapped interval"
+        assert level.quality <= level.agreement_low, f"{level.quality:g} above its low end {level.agreement_low:.4f}"
