@@ -148,8 +148,7 @@ def test_two_runs_on_a_machine_two_per_cent_faster_differ_in_ms_not_in_shares_of
     faster = {part: value * 0.98 for part, value in first.items() if part in PARTS}
     faster["intervals"] = {part: (low * 0.98, high * 0.98) for part, (low, high) in first["intervals"].items()}
     large = [part for part in PARTS if abs(first[part]) > 1.0]  # moved by 2 % beyond their intervals' width
-    in_ms = tool.cost_table([first, faster], "ms", [1.0, 1.0], "{:.3f}")
-    shares = tool.cost_table([first, faster], "shares", [first["plain_ms"], faster["plain_ms"]], "{:.3f}",
-                             skip=("plain_ms",))
+    in_ms = tool.cost_table([first, faster], "ms", [1.0, 1.0])
+    shares = tool.cost_table([first, faster], "shares", [first["plain_ms"], faster["plain_ms"]], skip=("plain_ms",))
     assert in_ms.within <= in_ms.parts - len(large) and len(large) >= 3
     assert shares.within == shares.inside == shares.parts == len(PARTS) - 1

@@ -40,12 +40,13 @@ class Compared:
     within: int  # the difference within its 95% half-width
 
 
-def cost_table(c: list[dict], title: str, unit: list[float], number: str, skip: tuple[str, ...] = ()) -> Compared:
+def cost_table(c: list[dict], title: str, unit: list[float], skip: tuple[str, ...] = ()) -> Compared:
     """Each part of the two runs' costs (pack provenance costs_ms), each run's divided by its `unit`."""
     table = Table(title=title)
     for column in ("part", "first", "second", "inside both ways", "difference (95% half-width)", "within"):
         table.add_column(column, justify="right")
     compared = Compared(table, 0, 0, 0)
+    # older packs have no mask_ms
     for part in (part for part in PARTS if part not in skip and all(part in run["intervals"] for run in c)):
         (x0, (lo0, hi0)), (x1, (lo1, hi1)) = ((run[part] / u, [v / u for v in run["intervals"][part]])
                                               for run, u in zip(c, unit))
@@ -55,9 +56,8 @@ def cost_table(c: list[dict], title: str, unit: list[float], number: str, skip: 
         compared.parts += 1
         compared.inside += inside
         compared.within += within
-        f = number.format
-        table.add_row(part, f"{f(x0)} ({f(lo0)}-{f(hi0)})", f"{f(x1)} ({f(lo1)}-{f(hi1)})", "yes" if inside else "no",
-                      f"{difference:+.3f} ({half_width:.3f})", "yes" if within else "no")
+        table.add_row(part, f"{x0:.3f} ({lo0:.3f}-{hi0:.3f})", f"{x1:.3f} ({lo1:.3f}-{hi1:.3f})",
+                      "yes" if inside else "no", f"{difference:+.3f} ({half_width:.3f})", "yes" if within else "no")
     return compared
 
 
@@ -88,10 +88,10 @@ def main() -> int:
 
     c = [pack.provenance["costs_ms"] for pack in packs]
     in_ms = cost_table(c, "costs (ms): each run's point against the other's 95% interval, and their difference",
-                       [1.0, 1.0], "{:.3f}")
+                       [1.0, 1.0])
     # a machine that runs a few per cent faster in one run moves every part alike; the decisions price ratios
     shares = cost_table(c, "the same in shares of a plain token (%; the plain token's own noise left out)",
-                        [run["plain_ms"] / 100 for run in c], "{:.3f}", skip=("plain_ms",))
+                        [run["plain_ms"] / 100 for run in c], skip=("plain_ms",))
     console = Console()
     console.print(levels, in_ms.table, shares.table)
     console.print(f"same levels on and off: {'yes' if same_levels else 'no'}; same names: {'yes' if same_names else 'no'}")
