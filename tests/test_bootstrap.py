@@ -136,8 +136,8 @@ def test_a_predicted_speedup_carries_the_costs_noise():
 
 
 def test_two_runs_on_a_machine_two_per_cent_faster_differ_in_ms_not_in_shares_of_a_plain_token(monkeypatch):
-    """tools/compare_packs.py: a run on a machine 2 % faster throughout moves every part outside the other's
-    interval in ms, and none in shares of a plain token."""
+    """tools/compare_packs.py: a run on a machine 2 % faster throughout moves every large part outside the
+    other's interval in ms, and none in shares of a plain token (the intervals the pack stores for those)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("compare_packs", "tools/compare_packs.py")
@@ -145,10 +145,30 @@ def test_two_runs_on_a_machine_two_per_cent_faster_differ_in_ms_not_in_shares_of
     monkeypatch.setitem(sys.modules, "compare_packs", tool)  # its dataclass looks its module up
     spec.loader.exec_module(tool)
     first = TokenCosts.fit(lanes_timing(TRUTH, 100, 0.05, seed=5, rounds=3)).to_dict()
-    faster = {part: value * 0.98 for part, value in first.items() if part in PARTS}
-    faster["intervals"] = {part: (low * 0.98, high * 0.98) for part, (low, high) in first["intervals"].items()}
+    faster = TokenCosts.fit(lanes_timing({part: ms * 0.98 for part, ms in TRUTH.items()}, 100, 0.05 * 0.98, seed=5,
+                                         rounds=3)).to_dict()
     large = [part for part in PARTS if abs(first[part]) > 1.0]  # moved by 2 % beyond their intervals' width
-    in_ms = tool.cost_table([first, faster], "ms", [1.0, 1.0])
-    shares = tool.cost_table([first, faster], "shares", [first["plain_ms"], faster["plain_ms"]], skip=("plain_ms",))
+    in_ms = tool.cost_table([tool.in_ms(first), tool.in_ms(faster)], "ms")
+    shares = tool.cost_table([tool.in_shares(first), tool.in_shares(faster)], "shares")
     assert in_ms.within <= in_ms.parts - len(large) and len(large) >= 3
     assert shares.within == shares.inside == shares.parts == len(PARTS) - 1
+
+
+def test_a_share_of_a_plain_token_holds_the_plain_tokens_noise_too():
+    """The stored interval of a part's share is the ratio's own, resample by resample. Here the plain token
+    alone changes from round to round (by up to 7.5 %): its share intervals hold that change, which the parts'
+    ms intervals divided by the plain token's point would not."""
+    rounds = lanes_timing(TRUTH, 100, 0.05, seed=6, rounds=4)
+    for lanes, change in zip(rounds, (-0.075, -0.025, 0.025, 0.075)):
+        plain = next(lane for lane in lanes if lane.name == "plain")
+        plain.samples = [ms * (1 + change) for ms in plain.samples]
+    costs = TokenCosts.fit(rounds)
+    plain_low, plain_high = costs.intervals["plain_ms"]
+    for part in ("layer_ms", "head_ms", "draft_ms"):
+        share = getattr(costs, part) / costs.plain_ms
+        low, high = costs.share_intervals[part]
+        ms_low, ms_high = costs.intervals[part]
+        assert low < share < high
+        assert (high - low) / share > 0.7 * (plain_high - plain_low) / costs.plain_ms
+        assert (high - low) / share > 2 * (ms_high - ms_low) / getattr(costs, part)
+    assert "plain_ms" not in costs.share_intervals

@@ -75,6 +75,9 @@ def test_calibrate_tiny_model_end_to_end(tiny_run):
     for part, (low, high) in costs["intervals"].items():  # as measured (a tiny model's layers are noise), with
         assert low <= costs[part] <= high                  # the interval that says so
     assert costs["plain_ms"] > 0  # a plain token's median
+    assert set(costs["share_intervals"]) == set(costs["intervals"]) - {"plain_ms"}
+    for part, (low, high) in costs["share_intervals"].items():  # what the decisions price: shares of a plain token
+        assert low <= costs[part] / costs["plain_ms"] <= high
     assert pack.provenance["kv_mode"] == "fill"
     shipped = {level.quality: level for level in pack.levels[:-1]}
     for stats in report.levels:

@@ -7,7 +7,9 @@ so 9 parts checked both ways all pass in a minority of repeats. The table also g
 95% of the time where nothing is wrong: the two runs differ by less than the 95% half-width of their
 difference (the two half-widths added in quadrature). A machine that runs a few per cent faster in one
 run than in the other moves every part alike, which no interval from within one run can see; the
-decisions price ratios to a plain token, so the costs are compared again in shares of a plain token.
+decisions price ratios to a plain token, so the costs are compared again in shares of a plain token, with
+the intervals the pack stores for them (packs calibrated before those were stored: the ms intervals
+divided by the plain token's point, which leaves its noise out).
 
 Calibrate twice from the same work dir (the answers are reused, the costs and the engine's runs are not),
 then compare:
@@ -40,16 +42,31 @@ class Compared:
     within: int  # the difference within its 95% half-width
 
 
-def cost_table(c: list[dict], title: str, unit: list[float], skip: tuple[str, ...] = ()) -> Compared:
-    """Each part of the two runs' costs (pack provenance costs_ms), each run's divided by its `unit`."""
+Estimate = tuple[float, tuple[float, float]]  # a point and its 95% interval
+
+
+def in_ms(costs: dict) -> dict[str, Estimate]:
+    """Each part's ms (pack provenance costs_ms); older packs have no mask_ms."""
+    return {part: (costs[part], tuple(costs["intervals"][part])) for part in PARTS if part in costs["intervals"]}
+
+
+def in_shares(costs: dict) -> dict[str, Estimate]:
+    """Each part but the plain token, in % of a plain token."""
+    plain = costs["plain_ms"]
+    stored = costs.get("share_intervals") or {part: [v / plain for v in interval]
+                                              for part, interval in costs["intervals"].items() if part != "plain_ms"}
+    return {part: (100 * costs[part] / plain, (100 * stored[part][0], 100 * stored[part][1]))
+            for part in PARTS if part in stored}
+
+
+def cost_table(runs: list[dict[str, Estimate]], title: str) -> Compared:
+    """The parts both runs have, side by side."""
     table = Table(title=title)
     for column in ("part", "first", "second", "inside both ways", "difference (95% half-width)", "within"):
         table.add_column(column, justify="right")
     compared = Compared(table, 0, 0, 0)
-    # older packs have no mask_ms
-    for part in (part for part in PARTS if part not in skip and all(part in run["intervals"] for run in c)):
-        (x0, (lo0, hi0)), (x1, (lo1, hi1)) = ((run[part] / u, [v / u for v in run["intervals"][part]])
-                                              for run, u in zip(c, unit))
+    for part in (part for part in PARTS if all(part in run for run in runs)):
+        (x0, (lo0, hi0)), (x1, (lo1, hi1)) = (run[part] for run in runs)
         inside = lo1 <= x0 <= hi1 and lo0 <= x1 <= hi0
         difference, half_width = x1 - x0, math.hypot((hi0 - lo0) / 2, (hi1 - lo1) / 2)
         within = abs(difference) <= half_width
@@ -87,19 +104,18 @@ def main() -> int:
                    "yes" if drafts[0] == drafts[1] else "no", "")
 
     c = [pack.provenance["costs_ms"] for pack in packs]
-    in_ms = cost_table(c, "costs (ms): each run's point against the other's 95% interval, and their difference",
-                       [1.0, 1.0])
+    ms = cost_table([in_ms(run) for run in c],
+                    "costs (ms): each run's point against the other's 95% interval, and their difference")
     # a machine that runs a few per cent faster in one run moves every part alike; the decisions price ratios
-    shares = cost_table(c, "the same in shares of a plain token (%; the plain token's own noise left out)",
-                        [run["plain_ms"] / 100 for run in c], skip=("plain_ms",))
+    shares = cost_table([in_shares(run) for run in c], "the same in shares of a plain token (%)"
+                        + ("" if all("share_intervals" in run for run in c) else "; the plain token's own noise left out"))
     console = Console()
-    console.print(levels, in_ms.table, shares.table)
+    console.print(levels, ms.table, shares.table)
     console.print(f"same levels on and off: {'yes' if same_levels else 'no'}; same names: {'yes' if same_names else 'no'}")
-    for what, compared in (("in ms", in_ms), ("in shares of a plain token", shares)):
+    for what, compared in (("in ms", ms), ("in shares of a plain token", shares)):
         console.print(f"{what}: inside the other's interval both ways {compared.inside} of {compared.parts}, difference "
                       f"within its 95% half-width {compared.within} of {compared.parts}")
-    inside_all = in_ms.inside == in_ms.parts
-    return 0 if same_levels and inside_all else 1
+    return 0 if same_levels and shares.inside == shares.parts else 1
 
 
 if __name__ == "__main__":

@@ -212,7 +212,9 @@ def resampled_tokens(rounds: int, tokens: int, seed: int) -> np.ndarray:
 @dataclass(frozen=True)
 class TokenCosts:
     """Milliseconds per part of a token (see the module docstring), each the median estimate with its 95%
-    interval; `resampled` holds the parts of each bootstrap resample (not stored in the pack)."""
+    interval, and each part's share of a plain token with its own 95% interval (the ratio taken within every
+    bootstrap resample, so that it holds the plain token's noise too); `resampled` holds the parts of each
+    resample (not stored in the pack)."""
 
     n_layer: int
     plain_ms: float  # a token that runs every layer and the output head, with early exit off
@@ -225,6 +227,9 @@ class TokenCosts:
     stop_ms: float
     fill_ms: float  # per skipped layer
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)  # per part, 95%
+    # per part but the plain token, 95%: what the decisions price, since a speed-up is a ratio of costs (a
+    # machine a few per cent faster in one run moves every part in ms, and hardly any of these)
+    share_intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
     resampled: np.ndarray | None = field(default=None, repr=False, compare=False)  # [resamples, len(PARTS)]
 
     @classmethod
@@ -239,7 +244,10 @@ class TokenCosts:
         resampled = fit_parts({name: np.median(ms[rows], axis=-1) for name, ms in samples.items()}, n)
         low, high = np.percentile(resampled, [2.5, 97.5], axis=0)
         intervals = {part: (float(lo), float(hi)) for part, lo, hi in zip(PARTS, low, high)}
-        return cls(n, *map(float, parts), intervals=intervals, resampled=resampled)
+        plain = PARTS.index("plain_ms")
+        low, high = np.percentile(resampled / resampled[:, plain:plain + 1], [2.5, 97.5], axis=0)
+        share_intervals = {part: (float(lo), float(hi)) for part, lo, hi in zip(PARTS, low, high) if part != "plain_ms"}
+        return cls(n, *map(float, parts), intervals=intervals, share_intervals=share_intervals, resampled=resampled)
 
     @property
     def parts(self) -> np.ndarray:
