@@ -5,11 +5,13 @@ That last test is strict: even where both intervals are honest 95% intervals of 
 point lies inside the other's interval only 83% of the time (the two points differ by the noise of both),
 so 9 parts checked both ways all pass in a minority of repeats. The table also gives the test that holds
 95% of the time where nothing is wrong: the two runs differ by less than the 95% half-width of their
-difference (the two half-widths added in quadrature). A machine that runs a few per cent faster in one
-run than in the other moves every part alike, which no interval from within one run can see; the
-decisions price ratios to a plain token, so the costs are compared again in shares of a plain token, with
-the intervals the pack stores for them (packs calibrated before those were stored: the ms intervals
-divided by the plain token's point, which leaves its noise out).
+difference (the two half-widths added in quadrature). A machine that runs faster in one run than in the
+other moves the parts together (those that read weights from memory most), which no interval from
+within one run can see; the decisions price ratios to a plain token, so the costs are compared again in
+shares of a plain token, with the intervals the pack stores for them (packs calibrated before those were
+stored: the ms intervals divided by the plain token's point, which leaves its noise out). The exit status
+is 0 where both runs turned the same levels on and off and every share lies inside the other run's
+interval both ways, else 1.
 
 Calibrate twice from the same work dir (the answers are reused, the costs and the engine's runs are not),
 then compare:
@@ -51,7 +53,7 @@ def in_ms(costs: dict) -> dict[str, Estimate]:
 
 
 def in_shares(costs: dict) -> dict[str, Estimate]:
-    """Each part but the plain token, in % of a plain token."""
+    """Each part but the plain token, in % of a plain token (older packs: see the module docstring)."""
     plain = costs["plain_ms"]
     stored = costs.get("share_intervals") or {part: [v / plain for v in interval]
                                               for part, interval in costs["intervals"].items() if part != "plain_ms"}
@@ -106,7 +108,7 @@ def main() -> int:
     c = [pack.provenance["costs_ms"] for pack in packs]
     ms = cost_table([in_ms(run) for run in c],
                     "costs (ms): each run's point against the other's 95% interval, and their difference")
-    # a machine that runs a few per cent faster in one run moves every part alike; the decisions price ratios
+    # a machine that runs faster for a whole run moves the parts in ms together; the decisions price ratios
     shares = cost_table([in_shares(run) for run in c], "the same in shares of a plain token (%)"
                         + ("" if all("share_intervals" in run for run in c) else "; the plain token's own noise left out"))
     console = Console()

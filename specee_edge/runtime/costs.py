@@ -228,7 +228,7 @@ class TokenCosts:
     fill_ms: float  # per skipped layer
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)  # per part, 95%
     # per part but the plain token, 95%: what the decisions price, since a speed-up is a ratio of costs (a
-    # machine a few per cent faster in one run moves every part in ms, and hardly any of these)
+    # machine that runs faster for a whole run moves the parts in ms together, and these far less)
     share_intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
     resampled: np.ndarray | None = field(default=None, repr=False, compare=False)  # [resamples, len(PARTS)]
 
