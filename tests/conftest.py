@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -18,6 +21,15 @@ from tests.tiny_gguf import TinyConfig, write_tiny_model
 SHIPPED_PACK = shipped_dir() / "SmolLM2-135M-Instruct.Q4_1.specee.gguf"
 LOOSE, STRICT = 0.9, 0.99  # the quality levels of write_two_level_pack
 CHAT_PROMPT = "<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def load_tool(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """tools/NAME.py as a module, registered under its name for the test (its dataclasses look it up there)."""
+    spec = importlib.util.spec_from_file_location(name, f"tools/{name}.py")
+    tool = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, tool)
+    spec.loader.exec_module(tool)
+    return tool
 
 
 @pytest.fixture(scope="session")

@@ -3,13 +3,12 @@ on synthetic numbers."""
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 
 from specee_edge.bootstrap import ratio_interval
 from specee_edge.runtime.costs import PARTS, ROUNDS, CostLane, TokenCosts, stop_layers
+from tests.conftest import load_tool
 
 N_LAYER = 12
 
@@ -138,12 +137,7 @@ def test_a_predicted_speedup_carries_the_costs_noise():
 def test_two_runs_on_a_machine_two_per_cent_faster_differ_in_ms_not_in_shares_of_a_plain_token(monkeypatch):
     """tools/compare_packs.py: a run on a machine 2 % faster throughout moves every large part outside the
     other's interval in ms, and none in shares of a plain token (the intervals the pack stores for those)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("compare_packs", "tools/compare_packs.py")
-    tool = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "compare_packs", tool)  # its dataclass looks its module up
-    spec.loader.exec_module(tool)
+    tool = load_tool("compare_packs", monkeypatch)
     first = TokenCosts.fit(lanes_timing(TRUTH, 100, 0.05, seed=5, rounds=3)).to_dict()
     faster = TokenCosts.fit(lanes_timing({part: ms * 0.98 for part, ms in TRUTH.items()}, 100, 0.05 * 0.98, seed=5,
                                          rounds=3)).to_dict()

@@ -23,11 +23,11 @@ from specee_edge.calibrate.levels import (
 from specee_edge.calibrate.predictor_fit import Probes, simulate, train_predictors
 from specee_edge.calibrate.replay import Replay
 from specee_edge.calibrate.temperature import cross_entropy, fit_beta
-from specee_edge.shipped import shipped_dir
 from specee_edge.exits import ExitKind
 from specee_edge.pack.format import OFF, LayerExit, QualityLevel, Schedule
 from specee_edge.predictor.rule import decide
 from specee_edge.runtime.costs import TokenCosts
+from specee_edge.shipped import shipped_dir
 
 N_LAYER, K, ANSWERS, STEPS = 8, 4, 60, 50
 LEVELS = (0.9, 0.95, 0.98, 0.99)
@@ -231,16 +231,12 @@ def test_a_level_is_on_only_where_its_predicted_gain_clears_its_noise():
     assert turned_off(level).off and not level.off and turned_off(level).exits.keys() == level.exits.keys()
 
 
-def test_an_older_pack_is_renamed_by_its_stored_interval():
+def test_an_older_pack_is_renamed_by_its_stored_interval(monkeypatch):
     """tools/keep_promises.py on a pack whose level claims more than its interval holds."""
-    import importlib.util
-
     from specee_edge.pack import read_pack
-    from tests.conftest import SHIPPED_PACK
+    from tests.conftest import SHIPPED_PACK, load_tool
 
-    spec = importlib.util.spec_from_file_location("keep_promises", "tools/keep_promises.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("keep_promises", monkeypatch)
     pack = read_pack(SHIPPED_PACK)
     level = next(lv for lv in pack.levels if lv.on_layers and not lv.exact)
     claims = dataclasses.replace(level, quality=round(level.agreement_interval()[0] + 0.02, 3))
