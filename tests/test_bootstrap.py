@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from specee_edge.bootstrap import ratio_interval
+from specee_edge.pack.format import QualityLevel
 from specee_edge.runtime.costs import PARTS, ROUNDS, CostLane, TokenCosts, stop_layers
 from tests.conftest import load_tool
 
@@ -166,3 +167,22 @@ def test_a_share_of_a_plain_token_holds_the_plain_tokens_noise_too():
         assert (high - low) / share > 0.7 * (plain_high - plain_low) / costs.plain_ms
         assert (high - low) / share > 2 * (ms_high - ms_low) / getattr(costs, part)
     assert "plain_ms" not in costs.share_intervals
+
+
+def test_comparing_two_packs_names_a_level_on_in_one_run_only_with_the_speed_ups_that_decided_it(monkeypatch):
+    """tools/compare_packs.py: a level the second run turned on (its predicted low end just above 1) and the
+    first left without exits is named with both predictions; the exact levels differ in nothing."""
+    tool = load_tool("compare_packs", monkeypatch)
+
+    def level(asked: float, speedup: float, low: float, on: bool) -> dict:
+        return {"asked": asked, "quality": asked, "verified_layers": [], "head_free_layers": [12] if on else [],
+                "calibration_speedup": speedup, "calibration_speedup_low": low}
+
+    first = [level(0.9, 1.109, 1.082, True), level(0.98, 1.0, 1.0, False)]
+    second = [level(0.9, 1.126, 1.101, True), level(0.98, 1.015, 1.001, True)]
+    exact = [QualityLevel(quality=1.0, exits={}, offline=[], max_draft=3, speedup_low=0.9, speedup_sampled_low=0.8)] * 2
+    compared = tool.level_table([first, second], exact)
+    assert not compared.same_on_off and compared.same_names
+    assert compared.flipped == ["0.98: on in the second run (1.015x, low end 1.001), off in the other (no exits)"]
+    again = tool.level_table([first, first], exact)
+    assert again.same_on_off and again.flipped == []
