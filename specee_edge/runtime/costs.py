@@ -128,27 +128,38 @@ def stop_layers(n_layer: int) -> list[int]:
     return sorted({max(0, round(n_layer * f) - 1) for f in STOP_FRACTIONS})
 
 
+def lane_context(model: Model, *, n_ctx: int, n_threads: int, k: int, kv_mode: str | None) -> Context:
+    """A fresh context; early exit on (k candidates, `kv_mode`) unless kv_mode is None."""
+    ctx = Context(model, n_ctx=n_ctx, n_threads=n_threads)
+    if kv_mode:
+        ctx.enable_early_exit(k, kv_mode)
+    return ctx
+
+
+def checked_context(model: Model, setup: DraftSetup, layers: list[int], *, threshold: float = 1.0,
+                    kv_mode: str = "mask", n_ctx: int, n_threads: int, k: int) -> Context:
+    """The draft and a native check after each of `layers` (threshold 1: a sigmoid never exceeds it, so
+    checked and never fired; below 0: every check stops the token, head-free)."""
+    ctx = lane_context(model, n_ctx=n_ctx, n_threads=n_threads, k=k, kv_mode=kv_mode)
+    ctx.set_draft(**setup.draft)
+    weights, biases = setup.predictor
+    for il in layers:
+        ctx.set_predictor(il, weights, biases)
+        ctx.set_exit(il, ExitKind.HEAD_FREE, threshold)
+    ctx.set_probe_layers(layers)
+    return ctx
+
+
 def cost_lanes(model: Model, setup: DraftSetup, *, n_ctx: int, n_threads: int, k: int) -> list[CostLane]:
     """The lanes of the module docstring, on fresh contexts."""
     n_layer = model.info.n_layer
 
     def context(kv_mode: str | None) -> Context:
-        ctx = Context(model, n_ctx=n_ctx, n_threads=n_threads)
-        if kv_mode:
-            ctx.enable_early_exit(k, kv_mode)
-        return ctx
+        return lane_context(model, n_ctx=n_ctx, n_threads=n_threads, k=k, kv_mode=kv_mode)
 
     def checked(layers: list[int], threshold: float = 1.0, kv_mode: str = "mask") -> Context:
-        """The draft and a native check after each of `layers` (threshold 1: a sigmoid never exceeds it, so
-        checked and never fired; below 0: every check stops the token, head-free)."""
-        ctx = context(kv_mode)
-        ctx.set_draft(**setup.draft)
-        weights, biases = setup.predictor
-        for il in layers:
-            ctx.set_predictor(il, weights, biases)
-            ctx.set_exit(il, ExitKind.HEAD_FREE, threshold)
-        ctx.set_probe_layers(layers)
-        return ctx
+        return checked_context(model, setup, layers, threshold=threshold, kv_mode=kv_mode, n_ctx=n_ctx,
+                               n_threads=n_threads, k=k)
 
     def timed_draft() -> Context:
         ctx = checked([n_layer - 1])
@@ -315,6 +326,16 @@ def measure_costs(model_path: str | os.PathLike, setup: DraftSetup, answers: Seq
     (tokens, n_prompt) as a prompt, the rest one at a time), all lanes a token before the next, in a new
     random order at each. A few untimed tokens first build what each lane builds once (graphs, the exit head,
     the fill graphs)."""
+    n_ctx = max(len(tokens) for tokens, _ in answers) + 8
+    make_lanes = lambda model: cost_lanes(model, setup, n_ctx=n_ctx, n_threads=n_threads, k=k)
+    return TokenCosts.fit(time_rounds(model_path, make_lanes, answers, rounds=rounds, seed=seed, advance=advance), seed)
+
+
+def time_rounds(model_path: str | os.PathLike, make_lanes: Callable[[Model], list[CostLane]],
+                answers: Sequence[tuple[Sequence[int], int]], *, rounds: int, seed: int,
+                advance: Callable[[int], None] = lambda n: None) -> list[list[CostLane]]:
+    """Rounds of lanes (make_lanes' on a freshly loaded model each) that decoded `answers` in turns, timed after
+    a few untimed warm-up tokens (see measure_costs); their contexts are closed, their samples kept."""
     rng = np.random.default_rng(seed)
 
     def in_turns(lanes: list[CostLane], answers: Sequence[tuple[Sequence[int], int]], advance) -> None:
@@ -326,14 +347,13 @@ def measure_costs(model_path: str | os.PathLike, setup: DraftSetup, answers: Seq
                     lanes[i].step(token)
                 advance(1)
 
-    n_ctx = max(len(tokens) for tokens, _ in answers) + 8
     (first, n_first), *_ = answers
     timed = []
     for _ in range(rounds):
         model = Model(model_path)
         lanes = []
         try:
-            lanes = cost_lanes(model, setup, n_ctx=n_ctx, n_threads=n_threads, k=k)
+            lanes = make_lanes(model)
             in_turns(lanes, [(first[: n_first + WARMUP_TOKENS], n_first)], lambda n: None)
             for lane in lanes:
                 lane.restart_timing()
@@ -343,4 +363,4 @@ def measure_costs(model_path: str | os.PathLike, setup: DraftSetup, answers: Seq
                 lane.ctx.close()
             model.close()
         timed.append(lanes)
-    return TokenCosts.fit(timed, seed)
+    return timed
