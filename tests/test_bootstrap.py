@@ -37,14 +37,15 @@ def lanes_timing(parts: dict[str, float], tokens: int, noise_ms: float, seed: in
     callback = 0.07  # what a Python probe callback adds to a layer
     timed = []
     for _ in range(rounds):
-        p, f, l, mask, h, d, c, s, k = (parts[p] * (1 + drift * rng.normal()) for p in PARTS)
-        means = {"plain": (p, n), "checked_one": (f + n * l + h + d + c, n),
-                 "checked_all": (f + n * l + h + d + n * c, n), "draft": (d, n)}
+        p, f, l, mask, h, d, c, s, k, q = (parts[p] * (1 + drift * rng.normal()) for p in PARTS)
+        means = {"plain": (p, n), "checked_one": (f + n * l + n * n * q + h + d + c, n),
+                 "checked_all": (f + n * l + n * n * q + h + d + n * c, n), "draft": (d, n)}
         for il in stop_layers(n):
-            means[f"stop_mask@{il}"] = (f + (il + 1) * (l + mask) + d + c + s, il + 1)
-            means[f"stop_fill@{il}"] = (f + (il + 1) * l + d + c + s + (n - 1 - il) * k, il + 1)
-            means[f"stop_free@{il}"] = (f + (il + 1) * (l + mask + callback) + s, il + 1)
-            means[f"stop_head@{il}"] = (f + (il + 1) * (l + mask + callback) + s + h, il + 1)
+            x = il + 1
+            means[f"stop_mask@{il}"] = (f + x * (l + mask) + x * x * q + d + c + s, x)
+            means[f"stop_fill@{il}"] = (f + x * l + x * x * q + d + c + s + (n - x) * k, x)
+            means[f"stop_free@{il}"] = (f + x * (l + mask + callback) + x * x * q + s, x)
+            means[f"stop_head@{il}"] = (f + x * (l + mask + callback) + x * x * q + s + h, x)
         lanes = []
         for name, (mean, layers_run) in means.items():
             lane = CostLane(name, ctx=None, layers_run=layers_run)
@@ -56,7 +57,7 @@ def lanes_timing(parts: dict[str, float], tokens: int, noise_ms: float, seed: in
 
 
 TRUTH = dict(plain_ms=2.0 + N_LAYER * 0.45 + 3.0, fixed_ms=2.0, layer_ms=0.5, mask_ms=0.04, head_ms=3.0, draft_ms=0.3, check_ms=0.02, stop_ms=0.1,
-             fill_ms=0.05)
+             fill_ms=0.05, curve_ms=0.004)
 
 
 def test_costs_are_recovered_within_their_intervals_and_never_clipped():
@@ -110,9 +111,9 @@ def coverage(rounds: int, measurements: int = 40) -> np.ndarray:
 
 def test_six_rounds_hold_the_true_costs_three_did_not():
     """What changes between rounds is seen only through the rounds: calibration's 6 must hold the true costs
-    about as often as a 95% interval promises (0.97 of the time, averaged over the parts); 3 held them 0.80."""
+    about as often as a 95% interval promises (0.97 of the time, averaged over the parts); 3 held them 0.87."""
     six, three = coverage(6), coverage(3)
-    assert ROUNDS == 6 and six.mean() >= 0.92 and three.mean() < 0.85
+    assert ROUNDS == 6 and six.mean() >= 0.92 and three.mean() < 0.9
     print(f"true costs held: 6 rounds {six.mean():.2f} (worst part {six.min():.2f}), 3 rounds {three.mean():.2f}"
           f" ({three.min():.2f})")
 
@@ -142,10 +143,10 @@ def test_two_runs_on_a_machine_two_per_cent_faster_differ_in_ms_not_in_shares_of
     first = TokenCosts.fit(lanes_timing(TRUTH, 100, 0.05, seed=5, rounds=3)).to_dict()
     faster = TokenCosts.fit(lanes_timing({part: ms * 0.98 for part, ms in TRUTH.items()}, 100, 0.05 * 0.98, seed=5,
                                          rounds=3)).to_dict()
-    large = [part for part in PARTS if abs(first[part]) > 1.0]  # moved by 2 % beyond their intervals' width
+    large = [part for part in PARTS if abs(first[part]) > 2.5]  # moved by 2 % beyond their intervals' width
     in_ms = tool.cost_table([tool.in_ms(first), tool.in_ms(faster)], "ms")
     shares = tool.cost_table([tool.in_shares(first), tool.in_shares(faster)], "shares")
-    assert in_ms.within <= in_ms.parts - len(large) and len(large) >= 3
+    assert in_ms.within <= in_ms.parts - len(large) and len(large) >= 2
     assert shares.within == shares.inside == shares.parts == len(PARTS) - 1
 
 

@@ -32,7 +32,7 @@ from specee_edge.shipped import shipped_dir
 N_LAYER, K, ANSWERS, STEPS = 8, 4, 60, 50
 LEVELS = (0.9, 0.95, 0.98, 0.99)
 COSTS = TokenCosts(N_LAYER, plain_ms=1.0 + N_LAYER * 1.0 + 2.0, fixed_ms=1.0, layer_ms=1.0, mask_ms=0.0, head_ms=2.0,
-                   draft_ms=0.2, check_ms=0.05, stop_ms=0.05, fill_ms=0.05)
+                   draft_ms=0.2, check_ms=0.05, stop_ms=0.05, fill_ms=0.05, curve_ms=0.0)
 
 
 def synthetic_steps():

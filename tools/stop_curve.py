@@ -1,9 +1,10 @@
-"""Does a stopped token's time grow linearly with the layers it runs, as calibration's cost model says?
+"""How a stopped token's time grows with the layers it runs, against what calibration's cost model fits.
 
 Calibration times native head-free stops (mask mode) at a quarter, half and three quarters of the depth and
-prices every exit on the line through them (specee_edge/runtime/costs.py). This times the same stop at more
-depths, in turns with a plain token, on freshly loaded models, and prints each stop's median beside that
-line's value, so that what the line misprices at the depths where a model's exits are can be read off.
+prices every exit on a parabola through them (specee_edge/runtime/costs.py; it was a line). This times the
+same stop at more depths, in turns with a plain token, on freshly loaded models, and prints how far each
+stop's median lies from the line and from the parabola through the three, so that what either misprices at
+the depths where a model's exits are can be read off.
 
     .venv/bin/python tools/stop_curve.py                     # the default model, its shipped pack
     .venv/bin/python tools/stop_curve.py MODEL.gguf --pack PACK.specee.gguf --every 2 --rounds 5
@@ -61,21 +62,25 @@ def main() -> int:
         for lane in lanes_of_round:
             samples.setdefault(lane.name, []).extend(lane.samples)
     ms = {name: float(np.median(values)) for name, values in samples.items()}
-    fitted = stop_layers(n_layer)
-    intercept, slope = line(np.array(fitted, float) + 1, np.array([ms[f"stop@{il}"] for il in fitted]))
-
     timed = len(tokens) - len(prompt)
+    fitted = stop_layers(n_layer)
+    x, y = np.array(fitted, float) + 1, np.array([ms[f"stop@{il}"] for il in fitted])
+    intercept, slope = line(x, y)
+    parabola = np.polyfit(x, y, 2)  # calibration's curve, but for the curvature it shares with the fill stops
+
     table = Table(title=f"a head-free stop (mask mode), median ms over {args.rounds} rounds of {timed} tokens; a plain "
                         f"token {ms['plain']:.3f} ms")
-    for column in ("layers run", "measured", "calibration's line", "measured - line", "% of a plain token"):
+    for column in ("layers run", "measured", "- line (% of plain)", "- parabola (% of plain)"):
         table.add_column(column, justify="right")
     for il in depths:
-        measured, on_line = ms[f"stop@{il}"], intercept + slope * (il + 1)
-        table.add_row(f"{il + 1}{' *' if il in fitted else ''}", f"{measured:.3f}", f"{on_line:.3f}",
-                      f"{measured - on_line:+.3f}", f"{100 * (measured - on_line) / ms['plain']:+.1f}")
+        measured = ms[f"stop@{il}"]
+        off = [measured - (intercept + slope * (il + 1)), measured - np.polyval(parabola, il + 1)]
+        table.add_row(f"{il + 1}{' *' if il in fitted else ''}", f"{measured:.3f}",
+                      *(f"{ms_off:+.3f} ({100 * ms_off / ms['plain']:+.1f})" for ms_off in off))
     console = Console()
     console.print(table)
-    console.print(f"* the stops calibration times; its line: {intercept:.3f} ms + {slope:.4f} ms per layer")
+    console.print(f"* the stops calibration times; the line through them: {intercept:.3f} ms + {slope:.4f} ms per "
+                  "layer (the cost model before the curvature), the parabola: what calibration fits now")
     return 0
 
 

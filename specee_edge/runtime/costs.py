@@ -22,9 +22,14 @@ graph is hooked: the scheduler asks at each node whether a probe needs it, which
 does), L a layer of that graph, M what the depth mask adds to a layer (in mask mode, once a token has
 stopped early, every layer's attention masks the cells it skipped; in fill mode and while no token has
 stopped there is nothing to mask), H the full-vocabulary LM head, D the in-graph draft, C one check
-(probe, read-back, predictor), S a stop, K rebuilding one skipped layer's K/V. The mask and fill stops
-are two lines in the layers run: their slopes are L + M and L - K, and their intercepts differ by n K,
-which separates the three.
+(probe, read-back, predictor), S a stop, K rebuilding one skipped layer's K/V. Every lane that runs x
+layers also pays x^2 Q (not written above): each further layer costs a little more than the one before,
+as fewer of the layers' weights stay in the caches. On SmolLM2 (30 layers) on a 2-core machine, a stop
+after 30 layers cost 0.67 ms more than the line through the stops after 8, 15 and 22 said (6.7 % of a
+plain token), after 28 layers 0.52 ms more, and a parabola through the same three stops came within
+0.07 ms everywhere from 8 to 30 layers (tools/stop_curve.py measures it). The mask and fill stops are
+two parabolas in the layers run that share that curvature: their slopes are L + M and L - K, and their
+intercepts differ by n K, which separates the three.
 
 A lane's time is the median of its tokens (one token slowed by the machine moves it little), and the
 lanes take their turns in a new random order at every token, so that no lane always runs first after the
@@ -33,8 +38,8 @@ contexts (new weight and KV buffers, wherever they land) timing the same tokens:
 every part is a bootstrap that draws rounds, then tokens within each (each token with all of its lanes),
 so that it holds what changes from one load to the next as well as from token to token. Such a bootstrap
 sees only as much of that change as its rounds show: in simulation (tests/test_bootstrap.py), with parts
-that drift by 3 % between rounds, the intervals of 3 rounds held the true costs 0.80 of the time
-(averaged over the parts, 0.70 for the worst), those of 6 rounds 0.97 (0.90). A difference of medians
+that drift by 3 % between rounds, the intervals of 3 rounds held the true costs 0.87 of the time
+(averaged over the parts, 0.75 for the worst), those of 6 rounds 0.97 (0.85). A difference of medians
 can come out below zero where a part is too small to see (a tiny model's layers): it is kept as
 measured, never clipped, and its interval says how far it can be trusted. Calibration prices its
 decisions with these (TokenCosts.token_ms), turns a level on only where its predicted gain stands clear
@@ -185,7 +190,8 @@ def cost_lanes(model: Model, setup: DraftSetup, *, n_ctx: int, n_threads: int, k
     return lanes
 
 
-PARTS = ("plain_ms", "fixed_ms", "layer_ms", "mask_ms", "head_ms", "draft_ms", "check_ms", "stop_ms", "fill_ms")
+PARTS = ("plain_ms", "fixed_ms", "layer_ms", "mask_ms", "head_ms", "draft_ms", "check_ms", "stop_ms", "fill_ms",
+         "curve_ms")
 
 
 def line(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -194,21 +200,33 @@ def line(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return y.mean(-1) - slope * x.mean(), slope
 
 
+def stop_curves(x: np.ndarray, mask: np.ndarray, fill: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Least squares of the mask and fill stops' times (points on the last axis, any leading axes) against the
+    layers run x, as two parabolas that share their curvature: each line's intercept and slope, then the
+    curvature (ms per layer squared)."""
+    zero, one = np.zeros_like(x), np.ones_like(x)
+    design = np.concatenate([np.stack([one, x, zero, zero, x * x], axis=-1),
+                             np.stack([zero, zero, one, x, x * x], axis=-1)])
+    coefficients = np.concatenate([mask, fill], axis=-1) @ np.linalg.pinv(design).T
+    return tuple(np.moveaxis(coefficients, -1, 0))
+
+
 def fit_parts(ms: dict[str, np.ndarray], n_layer: int) -> np.ndarray:
     """The parts (PARTS order, on the last axis) from each lane's time; the lanes' times may carry leading
     axes (one per bootstrap resample), and so does the result."""
     layers = stop_layers(n_layer)
     x = np.array(layers, dtype=float) + 1
-    at_0, masked_layer = line(x, np.stack([ms[f"stop_mask@{il}"] for il in layers], axis=-1))
-    fill_at_0, layer_less_fill = line(x, np.stack([ms[f"stop_fill@{il}"] for il in layers], axis=-1))
+    at_0, masked_layer, fill_at_0, layer_less_fill, curve = stop_curves(
+        x, np.stack([ms[f"stop_mask@{il}"] for il in layers], axis=-1),
+        np.stack([ms[f"stop_fill@{il}"] for il in layers], axis=-1))
     fill = (fill_at_0 - at_0) / n_layer
     layer = layer_less_fill + fill
     head = np.mean([ms[f"stop_head@{il}"] - ms[f"stop_free@{il}"] for il in layers], axis=0)
     check = (ms["checked_all"] - ms["checked_one"]) / (n_layer - 1)
     draft = ms["draft"]
-    fixed = ms["checked_one"] - n_layer * layer - head - draft - check
+    fixed = ms["checked_one"] - n_layer * layer - n_layer**2 * curve - head - draft - check
     stop = at_0 - fixed - draft - check
-    return np.stack([ms["plain"], fixed, layer, masked_layer - layer, head, draft, check, stop, fill], axis=-1)
+    return np.stack([ms["plain"], fixed, layer, masked_layer - layer, head, draft, check, stop, fill, curve], axis=-1)
 
 
 def resampled_tokens(rounds: int, tokens: int, seed: int) -> np.ndarray:
@@ -237,6 +255,7 @@ class TokenCosts:
     check_ms: float
     stop_ms: float
     fill_ms: float  # per skipped layer
+    curve_ms: float  # per layer run, squared: each further layer costs more (fewer layers' weights stay in caches)
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)  # per part, 95%
     # per part but the plain token, 95%: what the decisions price, since a speed-up is a ratio of costs (a
     # machine that runs faster for a whole run moves the parts in ms together, and these far less)
@@ -281,7 +300,7 @@ class TokenCosts:
         layers_run = exit_layer + 1
         none, every = np.zeros(len(exit_layer)), np.ones(len(exit_layer))
         return np.stack([none, every, layers_run, none if fill else layers_run, heads, every, np.asarray(checks),
-                         exited, skipped], axis=-1).astype(float)
+                         exited, skipped, layers_run**2], axis=-1).astype(float)
 
     def token_ms(self, exit_layer: np.ndarray, kind: np.ndarray, checks: np.ndarray, rejections: np.ndarray,
                  *, fill: bool) -> np.ndarray:
@@ -305,7 +324,9 @@ class TokenCosts:
 
     def head_free_ms(self, depth: np.ndarray) -> np.ndarray:
         """A token that leaves after `depth` layers with no head and no other cost: the head-free oracle's."""
-        return self.fixed_ms + np.asarray(depth) * self.layer_ms + np.where(np.asarray(depth) < self.n_layer, self.stop_ms, 0.0)
+        depth = np.asarray(depth)
+        return (self.fixed_ms + depth * self.layer_ms + depth**2 * self.curve_ms
+                + np.where(depth < self.n_layer, self.stop_ms, 0.0))
 
     def verified_ms(self, depth: np.ndarray) -> np.ndarray:
         """The same paying one head, as a verified exit (or the full path) does: the verified oracle's."""
