@@ -23,7 +23,7 @@ from specee_edge.bench.run import draft_setup
 from specee_edge.default_model import default_model_path
 from specee_edge.engine.engine import AUTO, Engine
 from specee_edge.engine.sampling import GREEDY
-from specee_edge.runtime.costs import CostLane, checked_context, lane_context, line, stop_layers, time_rounds
+from specee_edge.runtime.costs import CostLane, checked_context, lane_context, stop_layers, time_rounds
 from specee_edge.runtime.model import Model
 
 PROMPT = "Explain how a hash map works, with an example in Python."
@@ -65,7 +65,7 @@ def main() -> int:
     timed = len(tokens) - len(prompt)
     fitted = stop_layers(n_layer)
     x, y = np.array(fitted, float) + 1, np.array([ms[f"stop@{il}"] for il in fitted])
-    intercept, slope = line(x, y)
+    slope, intercept = np.polyfit(x, y, 1)  # the cost model before the curvature
     parabola = np.polyfit(x, y, 2)  # calibration's curve, but for the curvature it shares with the fill stops
 
     table = Table(title=f"a head-free stop (mask mode), median ms over {args.rounds} rounds of {timed} tokens; a plain "

@@ -194,12 +194,6 @@ PARTS = ("plain_ms", "fixed_ms", "layer_ms", "mask_ms", "head_ms", "draft_ms", "
          "curve_ms")
 
 
-def line(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Least-squares intercept and slope of y (points on the last axis, any leading axes) against x."""
-    slope = ((x - x.mean()) * (y - y.mean(-1, keepdims=True))).sum(-1) / ((x - x.mean()) ** 2).sum()
-    return y.mean(-1) - slope * x.mean(), slope
-
-
 def stop_curves(x: np.ndarray, mask: np.ndarray, fill: np.ndarray) -> tuple[np.ndarray, ...]:
     """Least squares of the mask and fill stops' times (points on the last axis, any leading axes) against the
     layers run x, as two parabolas that share their curvature: each line's intercept and slope, then the
