@@ -56,7 +56,7 @@ Estimate = tuple[float, tuple[float, float]]  # a point and its 95% interval
 
 
 def in_ms(costs: dict) -> dict[str, Estimate]:
-    """Each part's ms (pack provenance costs_ms); older packs have no mask_ms."""
+    """Each part's ms (pack provenance costs_ms); older packs lack the later parts (mask_ms, curve_ms)."""
     return {part: (costs[part], tuple(costs["intervals"][part])) for part in PARTS if part in costs["intervals"]}
 
 
