@@ -433,7 +433,9 @@ class EngineFuzzer:
             for mode in KV_MODES:
                 key = mode if pack == "shipped" else f"{mode}/{pack}"
                 engine = Engine(model_path, pack=AUTO if pack == "shipped" else multi_pack,
-                                config=EngineConfig(n_ctx=n_ctx, n_batch=N_BATCH, n_threads=N_THREADS, kv_mode=mode))
+                                # exact mode drafts at every chance: a run must not depend on what steps cost
+                                config=EngineConfig(n_ctx=n_ctx, n_batch=N_BATCH, n_threads=N_THREADS, kv_mode=mode,
+                                                    speculation="always"))
                 assert engine.policy is not None and engine.kv_mode == mode
                 twin = Twin(engine.model, mode, engine.policy.k, n_ctx)
                 self.slots[key] = Slot(key, mode, engine, CacheRecorder(engine.ctx), twin)
@@ -635,8 +637,8 @@ class EngineFuzzer:
         kwargs = dict(max_tokens=turn.max_tokens, sampling=turn.sampling, stop=turn.stop)
         if turn.via in ("chat", "generate"):
             out = engine.chat(messages, **kwargs) if turn.via == "chat" else engine.generate(text or prompt, **kwargs)
-            return iter([TokenRecord(t, "", None, 0, 0, None) for t in out.tokens[:-1]]
-                        + [TokenRecord(out.tokens[-1], out.text, None, 0, 0, None)] if out.tokens else [])
+            return iter([TokenRecord(t) for t in out.tokens[:-1]]
+                        + [TokenRecord(out.tokens[-1], out.text)] if out.tokens else [])
         if turn.via == "stream_chat":
             return engine.stream_chat(messages, **kwargs)
         return engine.stream(text or prompt, **kwargs)

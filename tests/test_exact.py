@@ -2,12 +2,15 @@
 
 The runtime's part (a verification batch keeps its rows for the next draft) on a tiny random-weight model;
 the engine's rounds on the default model, at a level whose loose head-free exits draft often and are often
-wrong, so that rounds are accepted whole, corrected at every position, and cut by stops and limits.
+wrong, so that rounds are accepted whole, corrected at every position, and cut by stops and limits. The rounds'
+mechanics run with speculation="always" (draft at every chance); exactness is checked with the controller on too,
+on an engine whose plain steps are made dearer so that it drafts (tests/test_controller_runtime.py has the rest).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -46,7 +49,18 @@ def exact_pack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(default_model, exact_pack) -> Engine:
-    return Engine(default_model.info.path, pack=exact_pack, config=EngineConfig(n_ctx=1024, n_threads=2))
+    return Engine(default_model.info.path, pack=exact_pack,
+                  config=EngineConfig(n_ctx=1024, n_threads=2, speculation="always", draft_max=6))
+
+
+@pytest.fixture(scope="module")
+def auto_engine(default_model, exact_pack) -> Engine:
+    """The controller on, on a machine where a single-token step costs four times what it costs here."""
+    os.environ["SPECEE_TEST_STEP_COST"] = "4"
+    try:
+        return Engine(default_model.info.path, pack=exact_pack, config=EngineConfig(n_ctx=1024, n_threads=2))
+    finally:
+        del os.environ["SPECEE_TEST_STEP_COST"]
 
 
 def prompt_of(engine: Engine, question: str) -> list[int]:
@@ -134,9 +148,11 @@ def test_the_exact_level_round_trips_and_is_checked(tmp_path):
 
 # --- the engine's rounds --------------------------------------------------------------------------
 
-def test_greedy_exact_mode_is_vanillas_answer_up_to_near_ties(engine):
+@pytest.mark.parametrize("lane", ["engine", "auto_engine"])
+def test_greedy_exact_mode_is_vanillas_answer_up_to_near_ties(lane, request):
     """Every answer equals vanilla greedy's, or departs where vanilla's top two logits nearly tie (batched graphs
     take other kernels); the rounds draft, accept, correct and finish with bonuses."""
+    engine = request.getfixturevalue(lane)
     assert engine.exact
     reference = Context(engine.model, n_ctx=1024, n_threads=2)
     prompts, exact_outputs, vanilla_outputs = [], [], []
@@ -185,7 +201,7 @@ def test_an_exact_level_with_every_exit_off_drafts_from_prompt_lookup_alone(engi
     short is rolled back without a draft head, and the answer is vanilla's."""
     pack = read_pack(exact_pack)
     lookup_only = dataclasses.replace(pack.level(), exits=dict.fromkeys(pack.predictors, OFF), offline=[], max_draft=2.0)
-    assert lookup_only.off and lookup_only.drafts(greedy=True)
+    assert lookup_only.off
     prompt = prompt_of(engine, "Repeat exactly, twice: the quick brown fox jumps over the lazy dog.")
     plain = vanilla(engine, prompt, max_tokens=40, sampling=GREEDY)
     engine.policy.set_level(lookup_only)
@@ -197,7 +213,7 @@ def test_an_exact_level_with_every_exit_off_drafts_from_prompt_lookup_alone(engi
         engine.set_quality(None)
         engine.reset()
     assert stats.probes == 0 and stats.rounds == stats.lookup_rounds > 0
-    assert max(r.round_drafts for r in records) <= 2 and 0 < stats.accepted < stats.drafts
+    assert max(r.round_drafts for r in records) <= 6 and 0 < stats.accepted < stats.drafts
     margins = divergence_margins(Context(engine.model, n_ctx=1024, n_threads=2), [prompt], [plain.tokens],
                                  [[r.id for r in records]])
     assert all(margin < NEAR_TIE for margin in margins), margins
@@ -323,3 +339,79 @@ def test_records_name_their_source_and_stats_add_up(engine):
     assert stats.time_ms["batch"] > 0
     summary = stats.summary()
     assert summary["acceptance_rate"] == stats.acceptance_rate and summary["tokens_per_round"] == stats.tokens_per_round
+
+
+# --- review findings (batches split by n_batch, stats of verified tokens, empty schedules) ----------
+
+def test_a_context_refuses_what_would_split_a_batch(default_model):
+    with pytest.raises(SpecEEError, match="n_batch must be at least 3"):
+        Context(default_model, n_ctx=64, n_batch=2)
+    ctx = Context(default_model, n_ctx=64, n_batch=4)
+    try:
+        assert ctx._chunks(list(range(5))) == [[0, 1, 2], [3, 4]]  # never a one-token chunk, which could exit
+        with pytest.raises(SpecEEError, match="at most n_batch = 4"):
+            ctx.decode(list(range(1, 6)), output_all=True)  # rows' logits would be read from the last chunk only
+    finally:
+        ctx.close()
+
+
+def test_rounds_fit_one_llama_decode_at_a_small_n_batch(default_model, exact_pack):
+    """n_batch = 4: every round checks at most 3 drafts, so that its rows are one llama_decode's outputs, and the
+    answer is still vanilla's up to near-ties (a 5-token prompt chunk never runs as a one-token step)."""
+    engine = Engine(default_model.info.path, pack=exact_pack,
+                    config=EngineConfig(n_ctx=512, n_batch=4, n_threads=2, speculation="always"))
+    try:
+        prompt = prompt_of(engine, "Repeat exactly, twice: the quick brown fox jumps over the lazy dog.")
+        plain = vanilla(engine, prompt, max_tokens=40, sampling=GREEDY)
+        records = list(engine.stream(prompt, max_tokens=40, sampling=GREEDY))
+        assert_cache_holds_the_reply(engine, prompt, [r.id for r in records])
+        assert engine.stats.rounds > 0 and max(r.round_drafts for r in records) <= 3
+        margins = divergence_margins(Context(engine.model, n_ctx=512, n_threads=2), [prompt], [plain.tokens],
+                                     [[r.id for r in records]])
+        assert all(margin < NEAR_TIE for margin in margins), margins
+    finally:
+        engine.close()
+
+
+def test_verified_tokens_are_not_exits_and_every_drafting_step_is_counted(engine):
+    """In exact mode no token is an early exit's answer: an accepted draft names the layer its draft left at
+    (draft_layer), and the probes and time of every drafting step, emitted or not, are in the records."""
+    steps: list = []
+    step = engine.step
+
+    def counted(token, exits=True):
+        record = step(token, exits)
+        steps.append(record)
+        return record
+
+    engine.step = counted
+    try:
+        prompt = prompt_of(engine, QUESTIONS[1])
+        records = list(engine.stream(prompt, max_tokens=40, sampling=GREEDY))
+        stats = engine.stats
+    finally:
+        del engine.step
+        engine.reset()
+    assert stats.rounds > stats.lookup_rounds and stats.exits == 0 and stats.avg_exit_layer == engine.n_layer - 1
+    assert all(r.exit_layer is None for r in records)
+    accepted = [r for r in records if r.source == TokenSource.ACCEPTED and not r.round_lookup]
+    assert any(r.draft_layer is not None for r in accepted)
+    assert sum(r.probes for r in records) == sum(s.probes for s in steps) > 0
+    assert sum(r.forward_ms for r in records) == pytest.approx(sum(s.forward_ms for s in steps))
+
+
+def test_a_level_with_exits_on_but_nothing_scheduled_drafts_by_lookup(default_model, exact_pack):
+    """Exits on, offline set empty: no step is probed, so no batch keeps a draft head; a lookup round cut short
+    must not ask for one."""
+    pack = read_pack(exact_pack)
+    unscheduled = dataclasses.replace(exact_level_of(pack), offline=[])
+    engine = Engine(default_model.info.path, pack=exact_pack,
+                    config=EngineConfig(n_ctx=1024, n_threads=2, speculation="always"))
+    try:
+        engine.policy.set_level(unscheduled)
+        prompt = prompt_of(engine, "Repeat exactly, twice: the quick brown fox jumps over the lazy dog.")
+        records = list(engine.stream(prompt, max_tokens=40, sampling=GREEDY))
+        assert engine.stats.lookup_rounds > 0 and engine.stats.accepted < engine.stats.drafts  # one was cut short
+        assert_cache_holds_the_reply(engine, prompt, [r.id for r in records])
+    finally:
+        engine.close()

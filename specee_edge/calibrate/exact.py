@@ -8,9 +8,12 @@ both). A candidate drafts with the exits of one of the pack's lossy levels (a ma
 the drafts' confidence) and from prompt lookup where the context offers a continuation, or from prompt lookup
 alone (every exit off: no drafting step costs anything, and a round without a continuation is a plain token).
 The best mean of the two speed-ups wins, and its figures are then measured again on held-out prompts, with a
-95% bootstrap interval over the prompts. The engine drafts greedy or sampled replies only where that interval
-lies above 1 (QualityLevel.drafts): a gain smaller than its own noise does not count. Where neither does, the
-exact level keeps every layer off: it decodes plainly, which is exact too.
+95% bootstrap interval over the prompts (QualityLevel.drafts: whether that interval lies above 1, for the
+report). Where neither does, the exact level keeps every layer off, and drafts by prompt lookup alone.
+
+Each candidate is measured drafting at every chance (speculation "always"): what its exits give. At run time
+the engine's controller (engine/controller.py) decides round by round whether drafting pays on the machine
+it runs on, starting from the acceptance and exit rate stored here.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from specee_edge.engine.records import GenerationStats
 from specee_edge.engine.sampling import GREEDY, SamplingParams
 from specee_edge.exits import ExitKind
 from specee_edge.pack import OFF, LayerExit, Pack, QualityLevel, read_pack, write_pack
-from specee_edge.pack.format import EXACT_QUALITY
+from specee_edge.pack.format import EXACT_QUALITY, MAX_DRAFT
 
 MAX_DRAFTS = (3, 6)           # the longest rounds tried
 DRAFT_STOPS = (0.0, 0.6)       # confidence floors tried (0: a round drafts until a step runs every layer or max_draft)
@@ -231,7 +234,9 @@ def add_exact_level(model: Path, pack_path: Path, output: Path, *, prompts_path:
                     advance: Callable[[], None] = lambda: None) -> ExactReport:
     """calibrate --exact-only: choose the exact level of an existing pack and write the pack with it as default."""
     pack = read_pack(pack_path)
-    engine = Engine(model, pack=pack_path, config=EngineConfig(n_ctx=2048, n_threads=threads))
+    # each candidate drafts at every chance with its own max_draft: what it gives, not what the controller would pick
+    engine = Engine(model, pack=pack_path, config=EngineConfig(n_ctx=2048, n_threads=threads, speculation="always",
+                                                               draft_max=MAX_DRAFT))
     try:
         calibration, heldout = exact_prompts(engine, prompts_path, seed, n_prompts)
         with threadpool_limits(limits=1, user_api="blas"):

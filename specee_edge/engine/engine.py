@@ -6,6 +6,10 @@
 
 The KV cache is kept between calls: a new prompt that extends the tokens already in the cache (the
 next turn of a chat) only decodes what is new.
+
+Exact mode (a pack's exact level, and any model without a pack) emits only the full model's own tokens: each
+round is a plain step, or drafts (from prompt lookup, or from a pack's early exits) that the full model checks
+in one batch, whichever the controller (controller.py) measured cheapest on this machine.
 """
 
 from __future__ import annotations
@@ -23,13 +27,15 @@ from threadpoolctl import threadpool_limits
 
 from specee_edge.chat_templates import NAMED_TEMPLATES, named_template
 from specee_edge.default_model import default_model_path
-from specee_edge.draft.lookup import PromptLookup
+from specee_edge.draft.lookup import LOOKUP_MAX_N, PromptLookup
+from specee_edge.engine.controller import Choice, Controller, ExitPrior, Outcome
 from specee_edge.engine.exit import ExitPolicy, find_pack
 from specee_edge.engine.records import GenerationStats, TokenRecord, TokenSource
 from specee_edge.engine.sampling import Sampler, SamplingParams, masks_every_token
 from specee_edge.engine.stops import StopMatcher
 from specee_edge.errors import ContextFullError, DecodeCancelled, SpecEEError, UnsupportedModelError
 from specee_edge.exits import ExitKind
+from specee_edge.pack.format import MAX_DRAFT
 from specee_edge.registry import entry_for_file
 from specee_edge.runtime import Context, Model
 from specee_edge.runtime.context import StepInfo
@@ -41,6 +47,8 @@ DEFAULT_KV_MODE = "fill"
 FALLBACK_KV_MODE = "mask"
 
 AUTO = "auto"  # pack=AUTO: MODEL.specee.gguf beside the model, else a shipped pack in models/
+ROUND_MAX_DRAFTS = 8  # exact mode: the most drafts one round checks by default (the controller picks how many)
+SPECULATION = ("auto", "always")
 
 
 @dataclass
@@ -52,7 +60,10 @@ class EngineConfig:
     kv_mode: str | None = None  # None: DEFAULT_KV_MODE where the model allows it, else FALLBACK_KV_MODE
     quality: float | None = None    # the pack's quality level (agreement with the full model); None: its default
     threshold: float | None = None  # one threshold for every layer instead of the level's; above 1 never exits
-    early_exit: bool = True
+    early_exit: bool = True  # False: plain decoding, no exits and no drafts (SpecEE off)
+    draft_max: int = ROUND_MAX_DRAFTS  # exact mode: the most drafts one round checks (llama.cpp's --draft-max)
+    speculation: str = "auto"  # exact mode: "auto", each round as the controller measures cheapest here; "always",
+    #                            draft at every chance, as llama.cpp's speculative decoding does
     native: bool = True  # False: the Python exit policy, called per probe (research; slower)
     profile: bool = False  # time the in-graph draft (one extra scheduler split per token)
 
@@ -62,6 +73,17 @@ class Generation:
     text: str
     tokens: list[int]
     stats: GenerationStats
+
+
+def charge(record: TokenRecord, steps: Sequence[TokenRecord]) -> None:
+    """Add to `record` the cost of drafting steps whose tokens were never emitted."""
+    for step in steps:
+        record.forward_ms += step.forward_ms
+        record.draft_ms += step.draft_ms
+        record.predictor_ms += step.predictor_ms
+        record.verify_ms += step.verify_ms
+        record.probes += step.probes
+        record.verify_failures += step.verify_failures
 
 
 def draft_confidence(logits: np.ndarray, candidates: Sequence[int]) -> float:
@@ -93,12 +115,18 @@ class Engine:
             self.kv_mode = self._enable_early_exit(self.config.kv_mode)
             self.policy.attach(self.ctx)
             self.ctx.set_timing(self.config.profile)
-        self.early_exit = self.config.early_exit and self.policy is not None
+        self.speculative = self.config.early_exit  # exits and drafts on (a lossy level's exits, exact mode's drafts)
         if self.policy:
             self.policy.set_active(self.early_exit)
-        # the tokens whose K/V are in the cache, in order, indexed for prompt lookup if the pack uses it
-        self._history = PromptLookup(self.policy.pack.lookup_max_n if self.policy else 0)
-        # the first cache position whose K/V an early exit left approximate (filled or masked layers), if any
+        # the tokens whose K/V are in the cache, in order, indexed for prompt lookup (a pack says how it was trained)
+        self._history = PromptLookup(self.policy.pack.lookup_max_n if self.policy else LOOKUP_MAX_N)
+        if self.config.speculation not in SPECULATION:
+            raise SpecEEError(f"unknown speculation {self.config.speculation!r}: choose {' or '.join(SPECULATION)}")
+        if not 1 <= self.config.draft_max <= MAX_DRAFT:
+            raise SpecEEError(f"draft_max must be in 1..{MAX_DRAFT}, got {self.config.draft_max}")
+        self.controller = Controller(self._exit_prior(), always_draft=self.config.speculation == "always")
+        # the first cache position whose K/V an early exit left approximate (filled or masked layers), if any:
+        # set by _note_exit, forgotten by _truncate
         self._approximate_from: int | None = None
         self._last_step: StepInfo | None = None  # what the last decode did (None: no early exit in it)
         self.stats = GenerationStats(self.n_layer, self.early_exit)
@@ -118,6 +146,24 @@ class Engine:
         self.ctx.enable_early_exit(self.policy.k, kv_mode)
         return kv_mode
 
+    def _exit_prior(self) -> ExitPrior:
+        """What the pack's exact level measured at calibration: the controller's first guess for exit drafts."""
+        level = self.policy.level if self.policy else None
+        if level is None or not level.exact or not level.acceptance:
+            return ExitPrior()
+        return ExitPrior(acceptance=level.acceptance, exit_share=max(level.exit_rate, 0.05))
+
+    @property
+    def early_exit(self) -> bool:
+        """A pack's exits are in use (as the answer at a lossy level, as drafts in exact mode)."""
+        return self.speculative and self.policy is not None
+
+    @property
+    def exact(self) -> bool:
+        """Exact mode: only the full model's own tokens are emitted, drafts are checked in batches (a pack's exact
+        level; without a pack, drafts come from prompt lookup alone)."""
+        return self.speculative and (self.policy is None or self.policy.max_draft > 0)
+
     @property
     def cached_tokens(self) -> list[int]:
         """The tokens whose K/V the cache holds, in order (a copy)."""
@@ -136,17 +182,14 @@ class Engine:
             if self.early_exit and not exits:
                 self.policy.begin_full_token()
             self.ctx.decode([token])
-            return TokenRecord(-1, "", None, 0, 0, None, forward_ms=(time.perf_counter() - t0) * 1e3)
+            return TokenRecord(forward_ms=(time.perf_counter() - t0) * 1e3)
         lookup = self._history.propose() if self._history.max_n else None
         self.policy.begin_token(lookup)    # the layers the schedule checks; the lookup candidate goes first
         self.ctx.decode([token])           # draft -> layers -> probe -> predictor -> verify -> KV, in llama_decode
         t1 = time.perf_counter()
         step = self._last_step = self.policy.end_token()  # exit, candidates; the online schedule learns it
-        # a cell the exit left short of the last layer (full mode runs the skipped layers later)
-        if (step.exit_layer is not None and step.exit_layer < self.n_layer - 1 and self.kv_mode != "full"
-                and self._approximate_from is None):
-            self._approximate_from = len(self._history) - 1
-        return TokenRecord(-1, "", step.exit_layer, step.probes, step.verify_failures, None,
+        self._note_exit(step.exit_layer)
+        return TokenRecord(exit_layer=step.exit_layer, probes=step.probes, verify_failures=step.verify_failures,
                            exit_kind=step.exit_kind, candidates=step.candidates,
                            source=TokenSource.FULL if step.exit_layer is None else TokenSource.EXIT,
                            draft_ms=step.draft_ms, forward_ms=(t1 - t0) * 1e3,
@@ -181,6 +224,13 @@ class Engine:
         self.ctx.decode(batch, cancel=cancel)
         self._last_step = None
         return n_common
+
+    def _note_exit(self, exit_layer: int | None) -> None:
+        """The token just decoded left its cell short of the last layer (full mode runs the skipped layers later):
+        from there on the cache is approximate."""
+        if (exit_layer is not None and exit_layer < self.n_layer - 1 and self.kv_mode != "full"
+                and self._approximate_from is None):
+            self._approximate_from = len(self._history) - 1
 
     def _truncate(self, n_keep: int) -> None:
         """Forget every position from `n_keep` on, in the cache and in the history."""
@@ -255,20 +305,16 @@ class Engine:
                 " (use a larger -c/--ctx-size or a shorter prompt)"
             )
         draw = Sampler(sampling, self.model.info.n_vocab, tokens, logprobs)
+        self.controller.begin_request()
         try:
             with threadpool_limits(limits=1, user_api="blas"):
                 yield from self._stream(tokens, max_tokens, draw, stop, cancel)
         finally:
             draw.close()
 
-    @property
-    def exact(self) -> bool:
-        """Exact mode: early exits draft tokens that the full model verifies in batches (the pack's exact level)."""
-        return self.early_exit and self.policy.max_draft > 0
-
     def _stream(self, tokens: list[int], max_tokens: int, draw: Sampler, stop: Sequence[str],
                 cancel: Callable[[], bool] | None) -> Iterator[TokenRecord]:
-        stats = self.stats = GenerationStats(self.n_layer, self.early_exit, n_prompt=len(tokens))
+        stats = self.stats = GenerationStats(self.n_layer, self.early_exit, n_prompt=len(tokens), exact=self.exact)
         stops = StopMatcher(stop)
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         history = list(tokens)  # the prompt and the reply so far
@@ -281,8 +327,7 @@ class Engine:
             except DecodeCancelled:
                 stats.finish_reason = "interrupted"
                 return
-            source = (self._exact_records(draw, max_tokens) if self.drafts(draw.params) else
-                      self._plain_records(draw, exits=not self.exact))
+            source = self._exact_records(draw, max_tokens) if self.exact else self._plain_records(draw)
             for n in range(max_tokens):
                 record = next(source)
                 token = record.id
@@ -321,6 +366,8 @@ class Engine:
         finally:
             if source is not None:
                 source.close()
+            if self.exact:
+                stats.controller = self.controller.snapshot()
             # the cache keeps the prompt and every emitted token but the last, which was never fed; a round
             # of exact mode may have decoded further, an interrupted decode less
             self._sync_cache(len(tokens) + max(n_emitted - 1, 0))
@@ -330,77 +377,101 @@ class Engine:
         the history hold (they may disagree by the decode that was cut short)."""
         self._truncate(min(self.ctx.n_past, len(self._history), limit))
 
-    def drafts(self, sampling: SamplingParams) -> bool:
-        """Exact mode drafts for this request: its level measured drafting faster for this kind of decoding (else
-        exact mode decodes plainly)."""
-        return self.exact and self.policy.level.drafts(sampling.greedy)
+    def _sample(self, record: TokenRecord, draw: Sampler, row: int | None = None) -> TokenRecord:
+        """Draw the next token into `record`: from the last step's logits, or from `row` of a verification batch;
+        with its log-probabilities when the request asks for them (the model's distribution, never the candidates'
+        alone). The one place a token is drawn."""
+        t0 = time.perf_counter()
+        record.id = self._draw(draw) if row is None else draw.from_context(self.ctx.handle, row)
+        record.sample_ms += (time.perf_counter() - t0) * 1e3
+        if draw.n_logprobs is not None:
+            record.logprobs = draw.logprobs(self.full_logits() if row is None else self.ctx.logits(row), record.id)
+        return record
 
-    def _plain_records(self, draw: Sampler, exits: bool = True) -> Iterator[TokenRecord]:
-        """One token a step: drawn from the last step's logits, then decoded (a lossy level's exits are the answer;
-        exits=False: every token runs every layer)."""
-        record = TokenRecord(-1, "", None, 0, 0, None)  # the first token comes from the prompt's logits
+    def _plain_records(self, draw: Sampler) -> Iterator[TokenRecord]:
+        """One token a step: drawn from the last step's logits, then decoded (a lossy level's exits are the answer)."""
+        record = TokenRecord()  # the first token comes from the prompt's logits
         while True:
-            t_sample = time.perf_counter()
-            token = record.id = self._draw(draw)
-            record.sample_ms = (time.perf_counter() - t_sample) * 1e3
-            if draw.n_logprobs is not None:  # the model's distribution, never the candidates' alone
-                record.logprobs = draw.logprobs(self.full_logits(), token)
+            token = self._sample(record, draw).id
             if record.candidates:  # the step had candidates (a graph without them reports none)
                 record.draft_hit = token in record.candidates
                 lookup = self.policy.lookup  # None, or not used when the step's graph had no draft
                 record.lookup_hit = token == lookup if lookup in record.candidates else None
             yield record
-            record = self.step(token, exits=exits)
+            record = self.step(token)
 
     # --- exact mode ------------------------------------------------------------------------
 
     def _exact_records(self, draw: Sampler, max_tokens: int) -> Iterator[TokenRecord]:
-        """Exact mode: rounds of drafts that the full model verifies; every emitted token is its own."""
-        t_sample = time.perf_counter()
-        token = self._draw(draw)  # from the prompt's logits, the full model's
-        yield TokenRecord(token, "", None, 0, 0, None, sample_ms=(time.perf_counter() - t_sample) * 1e3,
-                          logprobs=draw.logprobs(self.logits(), token))
+        """Exact mode: round after round as the controller plans them; every emitted token is the full model's own."""
+        record = self._sample(TokenRecord(), draw)  # from the prompt's logits, the full model's
+        yield record
         n_emitted = 1
         while True:
-            for record in self._round(token, draw, max_tokens - n_emitted):
+            for record in self._round(record.id, draw, max_tokens - n_emitted):
                 n_emitted += 1
-                token = record.id
                 yield record
 
     def _round(self, token: int, draw: Sampler, budget: int) -> list[TokenRecord]:
-        """One round after `token`, the last emitted token (not in the cache yet): draft while the tokens
-        exit early, verify the drafts in one batch, keep what the full model accepts. Returns the records of
-        the tokens it emits (at least one; at most `budget` unless the budget is spent).
-
-        Draft: where the context offers a continuation (prompt lookup: what followed the latest earlier
-        occurrence of its last tokens), that is the round's drafts, at no cost. Otherwise `token`, then each
-        draft, is decoded alone with early exits; each step's argmax is the next draft (after a head-free exit,
-        the candidates'). A step that runs every layer ends the round; if it is the first, the cache below it
-        is exact and its logits are the full model's own: there is no round.
-        """
+        """One round after `token`, the last emitted token (not in the cache yet): a plain step, or drafts checked
+        in one batch, whichever the controller prices lowest per emitted token. Returns the records of the tokens
+        it emits (at least one; at most `budget` unless the budget is spent)."""
         p = self.ctx.n_past
-        # the batch holds m + 1 rows at positions p .. p + m, and the round emits up to m + 1 tokens
-        limit = min(int(self.policy.max_draft), self.ctx.n_ctx - p - 1, budget - 1)
-        if limit >= 1 and self._history.max_n:
-            if drafts := self._lookup_drafts(token, limit):
-                records = self._verify(p, token, drafts, [TokenRecord(-1, "", None, 0, 0, None) for _ in drafts], draw)
-                records[0].round_lookup = True
-                return records
+        limit = self._round_limit(p, budget)
+        lookup = self._lookup_drafts(token, limit) if limit >= 1 and self._history.max_n else []
+        plan = self.controller.plan(lookup_drafts=len(lookup), exits=self._exits_draft(), limit=limit,
+                                    greedy=draw.params.greedy)
+        t0 = time.perf_counter()
+        draft_step_ms: list[float] = []
+        full_step_ms = None
+        if plan.choice == Choice.LOOKUP:
+            records = self._verify(p, token, lookup[: plan.drafts], [], draw)
+            records[0].round_lookup = True
+        elif plan.choice == Choice.EXIT:
+            records, draft_step_ms = self._exit_round(p, token, plan.drafts, draw)
+            if records[0].source == TokenSource.FULL:  # the first step did not exit: no round
+                full_step_ms = records[0].forward_ms + records[0].sample_ms
+        else:
+            records = [self._sample(self.step(token, exits=False), draw)]
+        first = records[0]
+        first.round_explored = plan.explore
+        first.explore_ms = self.controller.observe(Outcome(
+            plan, emitted=len(records), ms=(time.perf_counter() - t0) * 1e3, drafts=first.round_drafts,
+            accepted=sum(r.source == TokenSource.ACCEPTED for r in records), batch_ms=first.batch_ms + sum(
+                r.sample_ms for r in records) if first.round_drafts else 0.0,
+            draft_step_ms=tuple(draft_step_ms), full_step_ms=full_step_ms, greedy=draw.params.greedy))
+        return records
+
+    def _round_limit(self, p: int, budget: int) -> int:
+        """The most drafts a round may check: draft_max (with speculation "always", also the pack level's own
+        max_draft, the length its calibration measured). Its batch holds m + 1 rows at positions p .. p + m, which
+        must fit the context and one llama_decode (a batch split at n_batch would leave its rows' logits
+        unreadable), and the round emits up to m + 1 tokens of the `budget`."""
+        cap = self.config.draft_max
+        if self.controller.always_draft and self.policy is not None:
+            cap = min(cap, self.policy.max_draft)
+        return min(cap, self.ctx.n_batch - 1, self.ctx.n_ctx - p - 1, budget - 1)
+
+    def _exits_draft(self) -> bool:
+        """The pack's exits can draft: some layer can be checked (a level with every layer off drafts by lookup only)."""
+        return self.early_exit and not self.policy.idle
+
+    def _exit_round(self, p: int, token: int, limit: int, draw: Sampler) -> tuple[list[TokenRecord], list[float]]:
+        """Drafts from early exits: `token`, then each draft, is decoded alone with exits on; each step's argmax is
+        the next draft (after a head-free exit, the candidates'). Drafting stops at a step that runs every layer,
+        at `limit` drafts, at an end of generation, or once the drafts' confidence falls below the level's floor.
+        If the first step runs every layer, its logits are the full model's own and the cache below it is exact:
+        its token is drawn and there is no round. Returns the records and the drafting steps' times."""
         drafts: list[int] = []
         steps: list[TokenRecord] = []
         feed = token
         confidence = 1.0  # that every draft so far is accepted, as the drafts' candidates see it
         draft_stop = self.policy.draft_stop
         while True:
-            # no room for a batch (the context's end, or the last token asked for): a plain step
-            step = self.step(feed, exits=limit >= 1)
+            step = self.step(feed)
             steps.append(step)
-            if step.exit_layer is None and not drafts:  # the full model's own step: no round
-                t_sample = time.perf_counter()
-                step.id = self._draw(draw)
-                step.sample_ms = (time.perf_counter() - t_sample) * 1e3
-                step.logprobs = draw.logprobs(self.logits(), step.id)
-                return [step]
+            if step.exit_layer is None and not drafts:
+                return [self._sample(step, draw)], []
             logits = self.ctx.logits()
             drafts.append(int(np.argmax(logits)))
             if draft_stop:  # the confidence costs a softmax over the candidates: only when a floor asks for it
@@ -409,7 +480,8 @@ class Engine:
                     or self.model.is_eog(drafts[-1])):
                 break
             feed = drafts[-1]
-        return self._verify(p, token, drafts, steps, draw)
+        draft_step_ms = [s.forward_ms for s in steps if s.exit_layer is not None]
+        return self._verify(p, token, drafts, steps, draw), draft_step_ms
 
     def _lookup_drafts(self, token: int, limit: int) -> list[int]:
         """Up to `limit` tokens that followed the latest earlier occurrence of the context's last tokens and
@@ -426,48 +498,48 @@ class Engine:
         draft accepted while they are equal; the first that differs is emitted instead (a correction), and a
         round accepted whole gets one more token from its last row (a bonus). Each emitted token is one draw
         from the full model's distribution, as in plain decoding, so under sampling the output distribution
-        is the full model's exactly; the drafts only decide how many rows one batch checks."""
+        is the full model's exactly; the drafts only decide how many rows one batch checks.
+
+        steps: the drafting steps of an exit round, one per draft (none for lookup drafts). An accepted draft's
+        record is its step's, marked as the full model's token with the layer its draft left at (draft_layer);
+        the step of the first rejected draft, and any after it, charge their cost to the correction."""
         t0 = time.perf_counter()
         # every draft gets its row, an EOS one too: dropping it could leave a batch of one row, which llama_decode
         # runs as a single-token step that may exit early, not as a verification
         batch = [token, *drafts]
         # the drafted cells are shallow (their skipped layers filled or masked): drop them and recompute
         self._truncate(p)
-        self.policy.begin_verify()   # the batch's graph keeps the draft head, which keeps every output row
+        # with a draft head, the batch keeps every row's hidden state for the next draft (when its graph has one)
+        keeps_draft = self.early_exit and self.policy.begin_verify()
         self._history.extend(batch)  # before the decode: an interrupted one is undone by _sync_cache
         self.ctx.decode(batch, output_all=True)
         self._last_step = None
         t1 = time.perf_counter()
-        emitted: list[int] = []
         records: list[TokenRecord] = []
         for row in range(len(batch)):
-            t = draw.from_context(self.ctx.handle, row)
-            emitted.append(t)
-            if row < len(drafts) and t == drafts[row]:
-                record = steps[row]  # the draft's own step: its exit layer, probes and time
-                record.id, record.source = t, TokenSource.ACCEPTED
-                record.logprobs = draw.logprobs(self.ctx.logits(row), t)
-                records.append(record)
-                if self.model.is_eog(t):
+            record = self._sample(steps[row] if row < len(steps) else TokenRecord(), draw, row)
+            records.append(record)
+            record.draft_layer, record.exit_layer, record.exit_kind = record.exit_layer, None, ExitKind.NONE
+            if row < len(drafts) and record.id == drafts[row]:
+                record.source = TokenSource.ACCEPTED
+                if self.model.is_eog(record.id):
                     break
                 continue
-            source = TokenSource.BONUS if row == len(drafts) else TokenSource.CORRECTION
-            records.append(TokenRecord(t, "", None, 0, 0, None, source=source,
-                                       logprobs=draw.logprobs(self.ctx.logits(row), t)))
+            record.source = TokenSource.BONUS if row == len(drafts) else TokenSource.CORRECTION
+            record.draft_layer = None  # the full model's correction of a draft, not a draft
             break
+        charge(records[-1], steps[len(records) :])  # drafting steps past the rejection (or an accepted EOS)
         # the cache keeps `token` and every emitted token but the last; the next draft reads the hidden
         # state of the row that emitted that one
-        n_keep = p + len(emitted)
+        n_keep = p + len(records)
         if n_keep < self.ctx.n_past:
             self._truncate(n_keep)
-            if not self.policy.idle:  # with every exit off no step drafts, and the batch kept no draft head
-                self.ctx.draft_from_row(len(emitted) - 1)
+            if keeps_draft:
+                self.ctx.draft_from_row(len(records) - 1)
         first = records[0]
         first.round_drafts = len(drafts)
+        first.round_emitted = len(records)
         first.batch_ms = (t1 - t0) * 1e3
-        first.sample_ms = (time.perf_counter() - t1) * 1e3
-        # drafting steps whose tokens were not emitted cost their time all the same
-        first.forward_ms += sum(step.forward_ms for step in steps[len(records):])
         return records
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Generation:
@@ -500,9 +572,9 @@ class Engine:
         return self.generate(self.format_chat(messages, chat_template), **kwargs)
 
     def set_early_exit(self, on: bool) -> None:
-        if on and self.policy is None:
-            raise SpecEEError("no pack is loaded: early exit needs one (specee-edge calibrate MODEL.gguf)")
-        self.early_exit = on
+        """SpecEE on or off: a pack's exits and exact mode's drafts (without a pack, prompt-lookup drafts), or
+        plain decoding."""
+        self.speculative = on
         if self.policy:
             self.policy.set_active(on)
 
@@ -524,4 +596,4 @@ class Engine:
         self.ctx.close()
         self.model.close()
         self.policy = None
-        self.early_exit = False
+        self.speculative = False

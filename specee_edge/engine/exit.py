@@ -191,10 +191,12 @@ class ExitPolicy:
             self._probe_layers = []
         self.lookup = None
 
-    def begin_verify(self) -> None:
+    def begin_verify(self) -> bool:
         """Exact mode's verification batch: with probe layers set, its graph keeps the draft head, which keeps
-        every output row's hidden state for the next draft (batches never stop)."""
+        every output row's hidden state for the next draft (batches never stop). Returns whether it does: with
+        no layer to check right now (a level whose offline set is empty) the graph has no draft head."""
         self._set_probe_layers()
+        return bool(self._probe_layers)
 
     def begin_token(self, lookup: int | None = None) -> None:
         """`lookup`: the prompt-lookup candidate for this step (None: the draft head fills every slot)."""

@@ -24,12 +24,12 @@ class TokenSource(str, Enum):
 class TokenRecord:
     """One generated token. Times in milliseconds."""
 
-    id: int
-    text: str                  # the piece this token adds to the reply (may be "" mid-character or held for a stop string)
-    exit_layer: int | None     # None: the token ran every layer and the output head
-    probes: int                # predictors evaluated
-    verify_failures: int       # positive predictions whose exit logits' top-1 was not a candidate
-    draft_hit: bool | None     # the emitted token was among the step's candidates (None: early exit off)
+    id: int = -1               # -1 until the token is drawn
+    text: str = ""             # the piece this token adds to the reply (may be "" mid-character or held for a stop string)
+    exit_layer: int | None = None  # the layer the token left after, its exit's answer; None: the full model's token
+    probes: int = 0            # predictors evaluated
+    verify_failures: int = 0   # positive predictions whose exit logits' top-1 was not a candidate
+    draft_hit: bool | None = None  # the emitted token was among the step's candidates (None: early exit off)
     lookup_hit: bool | None = None  # it was the prompt-lookup candidate (None: there was none)
     exit_kind: ExitKind = ExitKind.NONE  # how the step that gave this token's logits left
     candidates: tuple[int, ...] = ()     # that step's candidates (a head-free exit chose among them)
@@ -42,6 +42,10 @@ class TokenRecord:
     round_drafts: int = 0      # exact mode, on the first token of a verified round: the drafts it checked
     batch_ms: float = 0.0      # exact mode, on the first token of a round: its verification batch
     round_lookup: bool = False  # ... whether its drafts came from prompt lookup (else from early exits)
+    round_emitted: int = 0     # ... the tokens the round emitted
+    draft_layer: int | None = None  # exact mode, an accepted draft: the layer its drafting step exited at
+    round_explored: bool = False  # ... whether the controller took it to measure that choice again (controller.py)
+    explore_ms: float = 0.0    # ... what that exploration cost beyond the choice it displaced
     logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
@@ -50,6 +54,7 @@ class GenerationStats:
     n_layer: int
     early_exit: bool
     n_prompt: int = 0
+    exact: bool = False           # exact mode: only the full model's tokens, drafts checked in batches
     n_cached: int = 0             # prompt tokens whose K/V the cache already held (not decoded again)
     n_decode: int = 0
     prompt_s: float = 0.0
@@ -66,9 +71,14 @@ class GenerationStats:
     lookup_hits: int = 0          # ... that was the emitted token
     rounds: int = 0               # exact mode: verification batches
     lookup_rounds: int = 0        # ... whose drafts came from prompt lookup
+    lookup_round_tokens: int = 0  # ... tokens those emitted
     drafts: int = 0               # ... drafted tokens they checked
     accepted: int = 0             # ... drafts the full model accepted
     round_tokens: int = 0         # ... tokens the rounds emitted (accepted, corrections and bonuses)
+    plain_steps: int = 0          # exact mode: tokens decoded alone through every layer (the controller's plain choice)
+    explore_rounds: int = 0       # exact mode: rounds the controller took to measure a choice again
+    explore_ms: float = 0.0       # ... what they cost beyond the choices they displaced
+    controller: dict = field(default_factory=dict)  # exact mode: the costs and acceptance measured on this machine
     finish_reason: str = ""       # "stop" (EOS or a stop string), "length", "interrupted"
     exit_layers: list[int | None] = field(default_factory=list)
     time_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("draft", "forward", "predictor", "verify", "batch", "sample"), 0.0))
@@ -89,9 +99,13 @@ class GenerationStats:
         self.lookup_hits += bool(record.lookup_hit)
         self.rounds += record.round_drafts > 0
         self.lookup_rounds += record.round_lookup
+        self.lookup_round_tokens += record.round_emitted if record.round_lookup else 0
         self.drafts += record.round_drafts
         self.accepted += record.source == TokenSource.ACCEPTED
         self.round_tokens += record.source in (TokenSource.ACCEPTED, TokenSource.CORRECTION, TokenSource.BONUS)
+        self.plain_steps += record.source == TokenSource.FULL
+        self.explore_rounds += record.round_explored
+        self.explore_ms += record.explore_ms
         for key in self.time_ms:
             self.time_ms[key] += getattr(record, f"{key}_ms")
 
@@ -151,6 +165,19 @@ class GenerationStats:
         """Exact mode: tokens emitted per verification batch."""
         return self.round_tokens / self.rounds if self.rounds else 0.0
 
+    @property
+    def mean_drafts(self) -> float:
+        """Exact mode: drafts per verification batch (the draft length the controller chose)."""
+        return self.drafts / self.rounds if self.rounds else 0.0
+
+    def choice_shares(self) -> dict[str, float]:
+        """Exact mode: the share of decoded tokens from plain steps, lookup rounds and exit-draft rounds."""
+        if not self.n_decode:
+            return {"plain": 0.0, "lookup": 0.0, "exit": 0.0}
+        lookup_tokens = self.lookup_round_tokens
+        return {"plain": self.plain_steps / self.n_decode, "lookup": lookup_tokens / self.n_decode,
+                "exit": (self.round_tokens - lookup_tokens) / self.n_decode}
+
     def summary(self) -> dict:
         """The SPEC.md §5 names plus counts and the per-token time split (ms per token)."""
         per_token = {k: v / self.n_decode for k, v in self.time_ms.items()} if self.n_decode else dict(self.time_ms)
@@ -168,6 +195,8 @@ class GenerationStats:
             recall_draft_head=self.recall_draft_head,
             acceptance_rate=self.acceptance_rate,
             tokens_per_round=self.tokens_per_round,
+            mean_drafts=self.mean_drafts,
+            choices=self.choice_shares(),
             ms_per_token=per_token,
         )
         return out

@@ -7,6 +7,8 @@ One sequence per context; positions follow the KV cache (each decode appends).
 from __future__ import annotations
 
 import ctypes
+import os
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +28,11 @@ from specee_edge.runtime.model import Model
 ProbeCallback = Callable[[int, np.ndarray], "ExitKind | bool"]
 
 SEQ = 0
+MIN_BATCH = 3  # n_batch at least 3: every decode of two tokens or more then splits into chunks of two or more
+
+# Test-only knobs (tests/test_controller_runtime.py and the bench's controller check): each llama_decode of one token
+# (STEP) or of several (BATCH) is made this many times as long, by sleeping, to play a machine where that costs more.
+SLOWDOWN_ENV = {"step": "SPECEE_TEST_STEP_COST", "batch": "SPECEE_TEST_BATCH_COST"}
 
 # how the runtime stores draft matrices (ggml type ids)
 DRAFT_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
@@ -87,8 +94,10 @@ class Context:
         """`swa_full`: a sliding-window model keeps every token's K/V in its window cache (llama.cpp's
         default), so that truncating the cache never leaves the window short of tokens it needs."""
         self.model = model
-        if n_batch < 2:
-            raise SpecEEError(f"n_batch must be at least 2 (a prompt is decoded in batches, which never exit), got {n_batch}")
+        if n_batch < MIN_BATCH:
+            # a prompt split into chunks must not leave a one-token chunk, which would run as a step that may exit
+            raise SpecEEError(f"n_batch must be at least {MIN_BATCH} (a prompt is decoded in batches, which never"
+                              f" exit), got {n_batch}")
         params = _llama.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch
@@ -114,6 +123,7 @@ class Context:
         self._c_callback = probe_callback_t(lambda il, z, n, _: this()._on_probe(il, z, n) if this() else 0)
         self._callback_error: BaseException | None = None
         self._cand_view: np.ndarray | None = None
+        self._slowdown = {kind: float(os.environ.get(name, "1")) for kind, name in SLOWDOWN_ENV.items()}
 
     # --- early exit set-up -------------------------------------------------------------------
 
@@ -351,6 +361,10 @@ class Context:
         for t in tokens:
             if not 0 <= t < self.n_vocab:
                 raise SpecEEError(f"token id {t} is out of range [0, {self.n_vocab})")
+        if output_all and len(tokens) > self.n_batch:  # logits(row) reads the last llama_decode's outputs only
+            raise SpecEEError(f"a decode with every row's logits takes at most n_batch = {self.n_batch} tokens,"
+                              f" got {len(tokens)}")
+        t0 = time.perf_counter()
         for i, chunk in enumerate(self._chunks(list(tokens))):
             if i and cancel is not None and cancel():
                 raise DecodeCancelled(f"cancelled after {self.n_past} of the prompt's tokens")
@@ -364,6 +378,9 @@ class Context:
                 raise ContextFullError("context full: no KV cache slot for the batch")
             if rc != 0:
                 raise SpecEEError(f"llama_decode failed ({rc})")
+        slowdown = self._slowdown["step" if len(tokens) == 1 else "batch"]
+        if slowdown != 1.0:
+            time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
         return self.exit_layer
 
     def _chunks(self, tokens: list[int]) -> list[list[int]]:

@@ -1,0 +1,272 @@
+"""Exact mode's choice for each round, made from what it costs on the machine it runs on.
+
+After each emitted token, exact mode can spend the next round in one of three ways:
+
+    plain   one step through every layer: one token, the model's own
+    lookup  m drafts that prompt lookup copies from the context, checked in one batch of m + 1 rows
+    exit    m drafts from early exits (a pack's draft head and predictors), checked alike
+
+Whether drafting pays is a property of the machine and of the text, not of the model: on a 2-core CPU a batch
+of 4 rows costs 1.75-2.5 single steps, on a GPU about one; a looping answer accepts most drafts, a fresh one
+few. So the controller measures both while it decodes and prices each choice in milliseconds per emitted
+token. A round of m drafts, each accepted with probability a once those before it were, emits
+
+    E(m) = 1 + a + a^2 + ... + a^m      tokens (the accepted drafts, then one correction or bonus)
+
+at the cost of its batch (and, for exit drafts, of the drafting steps), and the cheapest choice and draft
+length win, as DEL picks a speculation length per context from the acceptance it tracks.
+
+- Costs (a plain step, a batch by its row count, a drafting step) are moving averages of what the engine's
+  own rounds took, each with its sampling, so they follow the machine when its speed moves. A row count not
+  measured yet is interpolated between measured ones, or extrapolated from the last two; before any batch
+  has run, an extra row is guessed at a quarter of a step: an optimistic start, so that the first chance to
+  draft measures what batches really cost here.
+- Acceptance is counted per kind of draft and per kind of decoding (greedy, sampled), over the recent rounds
+  of the request (older rounds fade), starting from what earlier requests on this engine accepted.
+- A choice not taken for a while is tried once (exploration), so that a dropped choice that starts to pay is
+  noticed; an exploration that loses again waits twice as long for the next one, at most MAX_EXPLORE_WAIT
+  rounds. Its cost against the choice it displaced is counted (explore_ms).
+
+`always_draft` replaces the choice with classic speculative decoding's: draft at every chance, as many as allowed
+(lookup where the context matches, else exits), which is what llama.cpp's speculation does; still measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+COST_WEIGHT = 0.15          # a new measurement's weight in a cost's moving average
+ACCEPT_DECAY = 0.8          # a round's weight in the acceptance counts shrinks by this at every later round
+PRIOR_ROUNDS = 2.0          # a request starts with this many rounds' worth of what earlier requests accepted
+PRIOR_ACCEPTANCE = 0.5      # ... and with this rate where there were none
+MAX_ACCEPTANCE = 0.97       # E(m) stays finite: no draft is ever certain
+PRIOR_ROW_COST = 0.25       # an extra row in a batch, in plain steps, before any batch was measured
+EXPLORE_WAIT = 16           # rounds a choice waits before it is tried again
+MAX_EXPLORE_WAIT = 256
+
+
+class Choice(str, Enum):
+    PLAIN = "plain"
+    LOOKUP = "lookup"
+    EXIT = "exit"
+
+
+@dataclass(frozen=True)
+class Plan:
+    choice: Choice
+    drafts: int              # the round's most drafts (0 for a plain step)
+    ms_per_token: float      # what the controller expected the choice to cost per emitted token
+    explore: bool = False    # taken to measure it again, not because it was the cheapest
+    best_ms_per_token: float = 0.0  # the cheapest choice's price (what an exploration displaced)
+
+
+@dataclass
+class Outcome:
+    """What one round cost and gave, measured by the engine."""
+
+    plan: Plan
+    emitted: int                 # tokens the round emitted
+    ms: float                    # the whole round: drafting steps, batch, sampling
+    drafts: int = 0              # drafts the batch checked
+    accepted: int = 0            # ... that the full model accepted
+    batch_ms: float = 0.0        # the verification batch and its rows' sampling
+    draft_step_ms: tuple[float, ...] = ()  # exit rounds: each drafting step that exited
+    full_step_ms: float | None = None      # exit rounds: the step that ran every layer when the first did not exit
+    greedy: bool = True
+
+
+@dataclass
+class MovingCost:
+    """A cost's moving average (None until measured)."""
+
+    value: float | None = None
+
+    def add(self, ms: float) -> None:
+        self.value = ms if self.value is None else self.value + COST_WEIGHT * (ms - self.value)
+
+
+@dataclass
+class BatchCosts:
+    """A verification batch's time (with its rows' sampling) by row count."""
+
+    by_rows: dict[int, MovingCost] = field(default_factory=dict)
+
+    def add(self, rows: int, ms: float) -> None:
+        self.by_rows.setdefault(rows, MovingCost()).add(ms)
+
+    def curve(self, max_rows: int, plain_ms: float) -> list[float]:
+        """The cost of 0 .. max_rows rows (index 0 unused): measured, else on the line between the nearest measured
+        row counts (a plain step is one row), beyond the last one on the line through the last two (never falling)."""
+        points = sorted([(1, plain_ms), *((r, c.value) for r, c in self.by_rows.items() if c.value is not None)])
+        costs = [0.0] * (max_rows + 1)
+        j = 0  # points[j] is the last point at or below the row count at hand
+        for rows in range(1, max_rows + 1):
+            while j + 1 < len(points) and points[j + 1][0] <= rows:
+                j += 1
+            r0, c0 = points[j]
+            if j + 1 < len(points):
+                r1, c1 = points[j + 1]
+                slope = (c1 - c0) / (r1 - r0)
+            elif j >= 1:
+                r1, c1 = points[j - 1]
+                slope = max((c0 - c1) / (r0 - r1), 0.0)
+            else:
+                slope = PRIOR_ROW_COST * plain_ms
+            costs[rows] = c0 + slope * (rows - r0)
+        return costs
+
+    def snapshot(self) -> dict[int, float]:
+        return {r: round(c.value, 3) for r, c in sorted(self.by_rows.items()) if c.value is not None}
+
+
+@dataclass
+class AcceptanceCount:
+    """Accepted and rejected drafts with older rounds fading; a round accepted whole rejects none."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    def add(self, accepted: int, drafts: int, decay: float = ACCEPT_DECAY) -> None:
+        self.accepted = self.accepted * decay + accepted
+        self.rejected = self.rejected * decay + (accepted < drafts)
+
+    def rate(self, default: float = PRIOR_ACCEPTANCE) -> float:
+        seen = self.accepted + self.rejected
+        return self.accepted / seen if seen > 0 else default
+
+
+@dataclass
+class ExitPrior:
+    """What a pack says of its exits, the starting guess until this machine has measured them."""
+
+    acceptance: float = PRIOR_ACCEPTANCE   # drafts the full model accepted at calibration
+    exit_share: float = 0.5                # share of drafting steps that exit
+
+
+class Controller:
+    """Chooses each round of exact mode; one per engine (costs are the machine's and outlive requests)."""
+
+    def __init__(self, exit_prior: ExitPrior | None = None, always_draft: bool = False):
+        self.exit_prior = exit_prior or ExitPrior()
+        self.always_draft = always_draft
+        self.plain = MovingCost()
+        self.batch = BatchCosts()
+        self.draft_step = MovingCost()   # a drafting step that exited
+        self.full_step = MovingCost()    # an exit round's first step that did not exit (probes, no draft)
+        self.first_exits = MovingCost()  # share of exit rounds whose first step exited
+        # long-run acceptance per (kind, greedy): the prior of each request
+        self._lifetime: dict[tuple[Choice, bool], AcceptanceCount] = {}
+        self._request: dict[tuple[Choice, bool], AcceptanceCount] = {}
+        self._waited = {choice: 0 for choice in Choice}
+        self._wait = {choice: EXPLORE_WAIT for choice in Choice}
+
+    # --- a request ---------------------------------------------------------------------------
+
+    def begin_request(self) -> None:
+        """Acceptance starts again from what earlier requests accepted (a new answer repeats itself anew)."""
+        self._request = {}
+        for key, lifetime in self._lifetime.items():
+            seen = lifetime.accepted + lifetime.rejected
+            if seen > 0:
+                share = PRIOR_ROUNDS / seen
+                self._request[key] = AcceptanceCount(lifetime.accepted * share, lifetime.rejected * share)
+
+    def acceptance(self, choice: Choice, greedy: bool) -> float:
+        default = self.exit_prior.acceptance if choice == Choice.EXIT else PRIOR_ACCEPTANCE
+        count = self._request.get((choice, greedy))
+        return count.rate(default) if count else default
+
+    # --- prices ------------------------------------------------------------------------------
+
+    def _best(self, choice: Choice, max_drafts: int, greedy: bool) -> tuple[int, float]:
+        """The draft length with the lowest price for `choice` (ms per emitted token), and that price.
+
+        A lookup round of m drafts costs its batch of m + 1 rows. An exit-mode round's first step exits with
+        probability q and then drafts (m drafting steps and the batch); else that step ran every layer (probes and
+        all) and gives one token."""
+        plain = self.plain.value
+        if choice == Choice.PLAIN:
+            return 0, plain
+        batch = self.batch.curve(max_drafts + 1, plain)
+        a = min(max(self.acceptance(choice, greedy), 0.0), MAX_ACCEPTANCE)
+        if choice == Choice.EXIT:
+            q = self.first_exits.value if self.first_exits.value is not None else self.exit_prior.exit_share
+            step = self.draft_step.value if self.draft_step.value is not None else 0.8 * plain
+            full = self.full_step.value if self.full_step.value is not None else plain
+        best, tokens, term = (0, float("inf")), 1.0, 1.0
+        for m in range(1, max_drafts + 1):
+            term *= a
+            tokens += term  # E(m)
+            if choice == Choice.LOOKUP:
+                price = batch[m + 1] / tokens
+            else:
+                price = (q * (m * step + batch[m + 1]) + (1 - q) * full) / (q * tokens + (1 - q))
+            if price < best[1]:
+                best = (m, price)
+        return best
+
+    # --- a round -----------------------------------------------------------------------------
+
+    def plan(self, *, lookup_drafts: int, exits: bool, limit: int, greedy: bool) -> Plan:
+        """The next round. lookup_drafts: how many drafts prompt lookup offers now (0: no match); exits: the
+        pack's exits can draft; limit: the most drafts the round may check (context, budget, n_batch)."""
+        if self.always_draft and limit >= 1 and (lookup_drafts or exits):
+            return Plan(Choice.LOOKUP, min(lookup_drafts, limit), 0.0) if lookup_drafts else Plan(Choice.EXIT, limit, 0.0)
+        if self.plain.value is None or limit < 1 or self.always_draft or not (lookup_drafts or exits):
+            return Plan(Choice.PLAIN, 0, self.plain.value or 0.0)  # no price without a plain step measured
+        options = {Choice.PLAIN: self._best(Choice.PLAIN, 0, greedy)}
+        if lookup_drafts >= 1:
+            options[Choice.LOOKUP] = self._best(Choice.LOOKUP, min(lookup_drafts, limit), greedy)
+        if exits:
+            options[Choice.EXIT] = self._best(Choice.EXIT, limit, greedy)
+        best = min(options, key=lambda c: options[c][1])
+        best_price = options[best][1]
+        chosen, explore = best, False
+        for choice in options:
+            if choice == best:
+                continue
+            self._waited[choice] += 1
+            # a choice far dearer than the best waits longer in proportion: exploring it costs more
+            if not explore and self._waited[choice] >= self._wait[choice] * options[choice][1] / best_price:
+                chosen, explore = choice, True
+        self._waited[chosen] = 0
+        drafts, price = options[chosen]
+        return Plan(chosen, drafts, price, explore, best_price)
+
+    def observe(self, outcome: Outcome) -> float:
+        """Learn from a round; returns what an exploration cost beyond the choice it displaced (0 otherwise)."""
+        plan = outcome.plan
+        if plan.choice == Choice.PLAIN:
+            self.plain.add(outcome.ms)
+        else:
+            if outcome.drafts:
+                self.batch.add(outcome.drafts + 1, outcome.batch_ms)
+                for key in (self._request, self._lifetime):
+                    key.setdefault((plan.choice, outcome.greedy), AcceptanceCount()).add(
+                        outcome.accepted, outcome.drafts, decay=ACCEPT_DECAY if key is self._request else 1.0)
+            if plan.choice == Choice.EXIT:
+                self.first_exits.add(float(outcome.full_step_ms is None))
+                for ms in outcome.draft_step_ms:
+                    self.draft_step.add(ms)
+                if outcome.full_step_ms is not None:
+                    self.full_step.add(outcome.full_step_ms)
+        if not plan.explore:
+            return 0.0
+        # the explored choice's new price against the best price it displaced: lost again, wait longer
+        _, price = self._best(plan.choice, max(plan.drafts, 1), outcome.greedy)
+        lost = price > plan.best_ms_per_token
+        self._wait[plan.choice] = min(self._wait[plan.choice] * 2, MAX_EXPLORE_WAIT) if lost else EXPLORE_WAIT
+        return outcome.ms - outcome.emitted * plan.best_ms_per_token
+
+    def snapshot(self) -> dict:
+        """What the controller has measured, for stats and the bench (ms)."""
+        rounded = lambda cost: round(cost.value, 3) if cost.value is not None else None
+        return {
+            "plain_ms": rounded(self.plain),
+            "batch_ms": self.batch.snapshot(),
+            "draft_step_ms": rounded(self.draft_step),
+            "first_step_exits": rounded(self.first_exits),
+            "acceptance": {f"{choice.value}/{'greedy' if greedy else 'sampled'}": round(count.rate(), 3)
+                           for (choice, greedy), count in sorted(self._lifetime.items())},
+        }

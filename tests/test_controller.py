@@ -1,0 +1,156 @@
+"""The exact-mode controller's decision rule on synthetic costs and acceptance (engine/controller.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specee_edge.engine.controller import (EXPLORE_WAIT, MAX_EXPLORE_WAIT, PRIOR_ROW_COST, AcceptanceCount, BatchCosts,
+                                           Choice, Controller, ExitPrior, Outcome, Plan)
+
+
+def measured(plain_ms: float, batch_ms: dict[int, float]) -> Controller:
+    """A controller that has seen a plain step and batches of these row counts cost this much."""
+    controller = Controller()
+    controller.observe(Outcome(Plan(Choice.PLAIN, 0, 0.0), emitted=1, ms=plain_ms))
+    for rows, ms in batch_ms.items():
+        controller.batch.add(rows, ms)
+    return controller
+
+
+def accept(controller: Controller, choice: Choice, accepted: int, drafts: int, rounds: int, greedy: bool = True) -> None:
+    """`rounds` rounds of `choice` that each accepted `accepted` of `drafts` drafts (costs untouched)."""
+    for _ in range(rounds):
+        for counts in (controller._request, controller._lifetime):
+            counts.setdefault((choice, greedy), AcceptanceCount()).add(accepted, drafts)
+
+
+def plan(controller: Controller, lookup: int = 8, exits: bool = False, limit: int = 8, greedy: bool = True) -> Plan:
+    return controller.plan(lookup_drafts=lookup, exits=exits, limit=limit, greedy=greedy)
+
+
+def test_a_lookup_round_is_priced_per_expected_token():
+    """m drafts accepted with probability a emit 1 + a + ... + a^m tokens for one batch of m + 1 rows."""
+    controller = measured(10.0, {2: 15.0, 3: 17.0})
+    accept(controller, Choice.LOOKUP, 1, 2, rounds=1)  # acceptance 0.5
+    assert controller._best(Choice.LOOKUP, 1, True) == (1, pytest.approx(15.0 / 1.5))
+    assert controller._best(Choice.LOOKUP, 2, True) == (2, pytest.approx(17.0 / 1.75))
+    accept(controller, Choice.LOOKUP, 4, 4, rounds=50)  # never rejected: still no draft is certain
+    assert controller._best(Choice.LOOKUP, 2, True)[1] > 17.0 / 3
+
+
+def test_batch_costs_interpolate_and_extrapolate():
+    costs = BatchCosts()
+    assert costs.curve(3, 10.0)[3] == pytest.approx(10.0 + 2 * PRIOR_ROW_COST * 10.0)  # nothing measured: the prior
+    costs.add(5, 30.0)
+    curve = costs.curve(9, 10.0)
+    assert curve[1] == 10.0 and curve[5] == 30.0
+    assert curve[3] == pytest.approx(20.0)  # between a plain step (1 row) and 5 rows
+    assert curve[9] == pytest.approx(50.0)  # beyond: the slope of the last two points
+    costs.add(2, 11.0)
+    assert costs.curve(9, 10.0)[9] == pytest.approx(30.0 + 4 * (19.0 / 3))
+    cheap = BatchCosts()  # a machine where a batch of 2 rows costs less than a step was measured to (noise, or load)
+    cheap.add(2, 8.0)
+    assert cheap.curve(4, 10.0)[2:] == [8.0, 8.0, 8.0]  # measured as it is, never extrapolated downwards
+
+
+def test_first_round_is_plain_until_a_step_is_measured():
+    controller = Controller()
+    assert plan(controller).choice == Choice.PLAIN
+    assert plan(measured(10.0, {}), limit=0).choice == Choice.PLAIN  # no room for a batch
+
+
+def test_dear_batches_decode_plainly():
+    """A CPU where every row costs most of a step: even a lookup that is right half the time loses."""
+    controller = measured(10.0, {2: 18.0, 3: 26.0, 5: 42.0, 9: 74.0})
+    accept(controller, Choice.LOOKUP, 1, 2, rounds=10)  # acceptance 0.5
+    assert plan(controller).choice == Choice.PLAIN
+
+
+def test_cheap_batches_draft_long():
+    """A GPU where a batch of 9 rows costs about a step: long lookup rounds win."""
+    controller = measured(10.0, {2: 10.5, 5: 11.0, 9: 12.0})
+    accept(controller, Choice.LOOKUP, 3, 4, rounds=10)
+    chosen = plan(controller)
+    assert chosen.choice == Choice.LOOKUP and chosen.drafts >= 6
+    assert chosen.ms_per_token < 10.0
+
+
+def test_draft_length_follows_acceptance():
+    controller = measured(10.0, {2: 13.0, 3: 16.0, 5: 22.0, 9: 34.0})
+    accept(controller, Choice.LOOKUP, 8, 8, rounds=10)  # a looping answer: everything accepted
+    long = plan(controller)
+    fresh = measured(10.0, {2: 13.0, 3: 16.0, 5: 22.0, 9: 34.0})
+    accept(fresh, Choice.LOOKUP, 1, 2, rounds=10)
+    short = plan(fresh)
+    assert long.choice == Choice.LOOKUP and long.drafts == 8
+    assert short.choice == Choice.PLAIN or short.drafts < long.drafts
+
+
+def test_no_lookup_match_means_no_lookup_round():
+    controller = measured(10.0, {2: 10.1, 9: 10.5})
+    accept(controller, Choice.LOOKUP, 8, 8, rounds=10)
+    assert plan(controller, lookup=0).choice == Choice.PLAIN
+    assert plan(controller, lookup=2).drafts <= 2
+
+
+def test_exit_rounds_priced_from_their_steps():
+    """Exit drafts pay for their drafting steps: cheap exits win, exits that cost a whole step do not."""
+    cheap = Controller(ExitPrior(acceptance=0.8, exit_share=0.9))
+    cheap.observe(Outcome(Plan(Choice.PLAIN, 0, 0.0), emitted=1, ms=10.0))
+    cheap.batch.add(4, 14.0)
+    cheap.draft_step.add(4.0)
+    assert plan(cheap, lookup=0, exits=True).choice == Choice.EXIT
+    dear = Controller(ExitPrior(acceptance=0.8, exit_share=0.9))
+    dear.observe(Outcome(Plan(Choice.PLAIN, 0, 0.0), emitted=1, ms=10.0))
+    dear.batch.add(4, 14.0)
+    dear.draft_step.add(11.0)
+    assert plan(dear, lookup=0, exits=True).choice == Choice.PLAIN
+
+
+def test_acceptance_is_per_kind_and_per_decoding():
+    controller = measured(10.0, {2: 12.0, 5: 18.0, 9: 26.0})
+    accept(controller, Choice.LOOKUP, 8, 8, rounds=10, greedy=True)
+    accept(controller, Choice.LOOKUP, 0, 2, rounds=10, greedy=False)
+    assert plan(controller, greedy=True).choice == Choice.LOOKUP
+    assert plan(controller, greedy=False).choice == Choice.PLAIN
+    assert controller.acceptance(Choice.EXIT, True) == controller.exit_prior.acceptance
+
+
+def test_a_request_starts_from_what_earlier_ones_accepted_and_then_its_own():
+    controller = measured(10.0, {2: 12.0, 5: 18.0, 9: 26.0})
+    accept(controller, Choice.LOOKUP, 0, 2, rounds=20)
+    controller.begin_request()
+    assert controller.acceptance(Choice.LOOKUP, True) == pytest.approx(0.0)
+    for _ in range(6):  # this answer loops: its recent rounds outweigh the prior
+        controller.observe(Outcome(Plan(Choice.LOOKUP, 4, 0.0), emitted=5, ms=15.0, drafts=4, accepted=4, batch_ms=15.0))
+    assert controller.acceptance(Choice.LOOKUP, True) > 0.9
+
+
+def test_exploration_is_rare_and_backs_off_when_it_loses():
+    controller = measured(10.0, {2: 19.0, 3: 28.0, 9: 82.0})
+    accept(controller, Choice.LOOKUP, 0, 1, rounds=10)
+    plans = [plan(controller, lookup=1) for _ in range(EXPLORE_WAIT * 3)]
+    explored = [i for i, p in enumerate(plans) if p.explore]
+    assert explored and all(plans[i].choice == Choice.LOOKUP for i in explored)
+    assert len(explored) <= 3
+    # an exploration that loses again doubles the wait, up to MAX_EXPLORE_WAIT
+    lost = plans[explored[0]]
+    cost = controller.observe(Outcome(lost, emitted=1, ms=19.0, drafts=1, accepted=0, batch_ms=19.0))
+    assert cost == pytest.approx(19.0 - 10.0)
+    assert controller._wait[Choice.LOOKUP] == 2 * EXPLORE_WAIT
+    for _ in range(10):
+        controller.observe(Outcome(lost, emitted=1, ms=19.0, drafts=1, accepted=0, batch_ms=19.0))
+    assert controller._wait[Choice.LOOKUP] == MAX_EXPLORE_WAIT
+
+
+def test_exploration_notices_a_choice_that_starts_to_pay():
+    """Batches were dear, then the machine changed (a GPU took over): exploring finds it and drafting resumes."""
+    controller = measured(10.0, {2: 19.0})
+    accept(controller, Choice.LOOKUP, 1, 1, rounds=3)
+    for _ in range(EXPLORE_WAIT * 8):
+        chosen = plan(controller, lookup=1, limit=1)
+        if chosen.choice == Choice.LOOKUP:
+            controller.observe(Outcome(chosen, emitted=2, ms=10.5, drafts=1, accepted=1, batch_ms=10.5))
+        else:
+            controller.observe(Outcome(chosen, emitted=1, ms=10.0))
+    assert plan(controller, lookup=1, limit=1).choice == Choice.LOOKUP
