@@ -111,7 +111,7 @@ def perplexity(engine: Engine, tokens: Sequence[int], *, early_exit: bool,
     """Teacher forcing through the engine one token at a time, exits on or off: exp(mean NLL of tokens[1:]),
     with and without the pack's temperatures (one pass: the tokens' exits are the same). A head-free exit's
     step holds only its candidates' logits: its layer's full ones are computed for this (Engine.full_logits)."""
-    previous = engine.early_exit
+    previous = engine.speculative
     engine.set_early_exit(early_exit)
     engine.reset()
     try:

@@ -19,6 +19,19 @@ HISTOGRAM_WIDTH = 48  # text cells shared by the histogram's bars (80-column ter
 
 
 @dataclass
+class ExactChoices:
+    """What exact mode's controller chose in a lane, and what it measured on this machine."""
+
+    shares: dict[str, float]          # decoded tokens from plain steps, lookup rounds and exit-draft rounds
+    mean_drafts: float                # drafts per verification batch
+    explore_rounds: int               # rounds taken to measure a choice again
+    explore_ms_per_token: float       # ... their cost beyond the choices they displaced, per decoded token
+    controller: dict                  # its cost and acceptance estimates at the end of the lane (ms)
+    by_category: dict[str, dict[str, float]] = field(default_factory=dict)  # acceptance_rate, tokens_per_round,
+    #                                                                         verify_cost (batch / vanilla step), plain
+
+
+@dataclass
 class SampledResult:
     """A lane with chat's default sampling (seeded per prompt, the same seeds in every lane)."""
 
@@ -27,6 +40,8 @@ class SampledResult:
     acceptance_rate: float = 0.0      # exact mode: drafts accepted under sampling
     tokens_per_round: float = 0.0
     speedup_no_loop: float | None = None  # greedy lanes: the speed-up on the answers that do not loop
+    speedup_by_category: dict[str, float] = field(default_factory=dict)
+    exact: ExactChoices | None = None     # exact mode: what its controller chose
 
 
 @dataclass
@@ -74,6 +89,9 @@ class ModeResult:
     calibrated_speedup_sampled: float | None = None
     calibrated_agreement: tuple[float, float] | None = None  # lossy levels: the stored 95% interval
     agreement_interval: tuple[float, float] | None = None  # the bench's own 95% interval, over its prompts
+    speedup_by_category: dict[str, float] = field(default_factory=dict)  # greedy
+    choices: ExactChoices | None = None  # exact mode, greedy
+    pack: bool = True                 # False: the engine without a pack (exact mode drafting by prompt lookup only)
 
 
 @dataclass
@@ -108,6 +126,10 @@ class BenchResult:
     looping_answers: int = 0                   # vanilla greedy answers at least half repeated (quality.LOOP_SHARE)
     repetition_sampled_by_category: dict[str, float] = field(default_factory=dict)  # ... of vanilla sampled's
     looping_answers_sampled: int = 0
+    # prompt lookup replayed over vanilla's answers per category (greedy, sampled): acceptance, tokens per round,
+    # and the speed-up where a batch costs one step (bench/lookup_replay.py)
+    lookup_replay: dict[str, dict[str, float]] = field(default_factory=dict)
+    lookup_replay_sampled: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def main(self) -> ModeResult:
@@ -145,7 +167,8 @@ class BenchResult:
     # --- terminal ----------------------------------------------------------------------------
 
     def render(self) -> Group:
-        return Group(self._run(), self._quality(), self._machinery(), self._time_split(), self._histogram())
+        return Group(self._run(), self._quality(), self._machinery(), self._exact_choices(), self._by_category(),
+                     self._time_split(), self._histogram())
 
     def _run(self) -> Table:
         table = Table(title=f"specee-edge bench: {self.model}", show_header=False)
@@ -205,6 +228,8 @@ class BenchResult:
 
     @staticmethod
     def level_label(m: ModeResult) -> str:
+        if not m.pack:
+            return "exact, no pack"
         if m.quality is None:
             return m.kv_mode
         return f"{m.kv_mode}@exact" if m.exact else f"{m.kv_mode}@{m.quality:g}"
@@ -247,6 +272,60 @@ class BenchResult:
             table.add_row(label, *(cell(m) for m in self.modes))
         return table
 
+    def _exact_choices(self) -> Table | str:
+        """What each exact lane's controller chose (greedy / sampled) and the costs it measured here."""
+        lanes = [m for m in self.modes if m.choices is not None]
+        if not lanes:
+            return ""
+        table = Table(title="exact mode: the controller's choices (greedy / sampled)")
+        table.add_column("", style="bold")
+        for m in lanes:
+            table.add_column(self.lane(m), justify="right")
+        both = lambda m, cell: " / ".join(cell(c) for c in (m.choices, m.sampled.exact if m.sampled else None) if c)
+        rows = [
+            ("tokens from plain steps", lambda m: both(m, lambda c: f"{c.shares['plain']:.2f}")),
+            ("... from lookup rounds", lambda m: both(m, lambda c: f"{c.shares['lookup']:.2f}")),
+            ("... from exit-draft rounds", lambda m: both(m, lambda c: f"{c.shares['exit']:.2f}")),
+            ("mean drafts per batch", lambda m: both(m, lambda c: f"{c.mean_drafts:.2f}")),
+            ("explorations (ms per token)", lambda m: both(m, lambda c: f"{c.explore_rounds} ({c.explore_ms_per_token:+.3f})")),
+            ("measured: plain step ms", lambda m: fmt(m.choices.controller.get("plain_ms"))),
+            ("measured: batch ms by rows", lambda m: ", ".join(f"{r}:{ms:.1f}" for r, ms in
+                                                              m.choices.controller.get("batch_ms", {}).items()) or "-"),
+            ("measured: exit-draft step ms", lambda m: fmt(m.choices.controller.get("draft_step_ms"))),
+        ]
+        for label, cell in rows:
+            table.add_row(label, *(cell(m) for m in lanes))
+        return table
+
+    def _by_category(self) -> Table | str:
+        """Per prompt category: each exact lane's speed-up (greedy / sampled), its acceptance, tokens per round and
+        batch cost, and prompt lookup replayed over vanilla's answers with the speed-up where a batch costs a step."""
+        lanes = [m for m in self.modes if m.choices is not None]
+        categories = sorted(self.lookup_replay)
+        if not lanes or not categories:
+            return ""
+        table = Table(title="exact mode by category (greedy / sampled)")
+        table.add_column("", style="bold")
+        for c in categories:
+            table.add_column(c, justify="right")
+        for m in lanes:
+            label = self.lane(m)
+            table.add_row(f"{label}: speed-up", *(speedup_pair(m, c) for c in categories))
+            for key, name in (("acceptance_rate", "acceptance"), ("tokens_per_round", "tokens per round"),
+                              ("verify_cost", "batch / vanilla step")):
+                table.add_row(f"  {name}", *(category_pair(m, c, key) for c in categories))
+        if self.peer and self.peer.speedup_by_category:
+            table.add_row("peer: speed-up", *(f"{self.peer.speedup_by_category.get(c, 0):.3f}x / "
+                                              f"{self.peer_sampled.speedup_by_category.get(c, 0):.3f}x"
+                                              if self.peer_sampled else f"{self.peer.speedup_by_category.get(c, 0):.3f}x"
+                                              for c in categories))
+        for key, name in (("acceptance_rate", "acceptance"), ("tokens_per_round", "tokens per round"),
+                          ("speedup_at_unit_batch", "speed-up at 1-step batches")):
+            table.add_row(f"lookup replay: {name}", *(
+                " / ".join(f"{replay[c][key]:.2f}" for replay in (self.lookup_replay, self.lookup_replay_sampled)
+                           if c in replay) for c in categories))
+        return table
+
     def _time_split(self) -> Table:
         table = Table(title="ms per decode step")
         table.add_column("part", style="bold")
@@ -268,6 +347,25 @@ class BenchResult:
             if any(counts[il] for counts in columns.values()):
                 table.add_row(str(il), *(bar(counts[il], max(counts), width) for counts in columns.values()))
         return table
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def speedup_pair(m: ModeResult, category: str) -> str:
+    greedy = m.speedup_by_category.get(category)
+    sampled = m.sampled.speedup_by_category.get(category) if m.sampled else None
+    return " / ".join(f"{v:.3f}x" for v in (greedy, sampled) if v is not None) or "-"
+
+
+def category_pair(m: ModeResult, category: str, key: str) -> str:
+    cells = []
+    for choices in (m.choices, m.sampled.exact if m.sampled else None):
+        value = choices.by_category.get(category, {}).get(key) if choices else None
+        if choices is not None:
+            cells.append("-" if value is None else f"{value:.2f}")
+    return " / ".join(cells) or "-"
 
 
 def exact_cell(m: ModeResult, greedy: float, sampled: float | None) -> str:

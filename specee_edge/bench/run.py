@@ -15,20 +15,22 @@ from threadpoolctl import threadpool_limits
 from specee_edge.bench.oracle import Oracle, oracle_depths
 from specee_edge.bench.quality import (LOOP_SHARE, NEAR_TIE, Agreement, Perplexity, agreement, divergence_margins,
                                       exact_prefix, perplexity, repetition)
-from specee_edge.bench.report import TIME_PARTS, BenchResult, ModeResult, SampledResult
+from specee_edge.bench.lookup_replay import replay_by_category
+from specee_edge.bench.report import TIME_PARTS, BenchResult, ExactChoices, ModeResult, SampledResult
 from specee_edge.bench.runner import PeerLane, SpecEELane, VanillaLane, run_interleaved
 from specee_edge.data.prompts import Prompt, bench_prompts, heldout_text
-from specee_edge.engine import AUTO, DEFAULT_KV_MODE, Engine, EngineConfig, GenerationStats
+from specee_edge.engine import AUTO, DEFAULT_KV_MODE, Engine, EngineConfig, GenerationStats, TokenRecord
 from specee_edge.engine.sampling import SamplingParams
 from specee_edge.engine.exit import find_pack
 from specee_edge.errors import SpecEEError
-from specee_edge.pack import Pack, parse_quality, read_pack
+from specee_edge.pack import EXACT_QUALITY, Pack, parse_quality, read_pack
 from specee_edge.runtime import Context
 from specee_edge.runtime.costs import DraftSetup, TokenCosts, cost_lanes
 from specee_edge.runtime.weights import TargetWeights
 from specee_edge.threads import default_threads
 
 ENGINE_CTX = 2048  # the engines' context: a prompt and its answer, or the held-out text
+NO_PACK = "no pack"  # the lane of the engine without a pack
 
 
 class Reporter(Protocol):
@@ -57,6 +59,7 @@ class BenchConfig:
     ppl_tokens: int = 0              # held-out tokens for perplexity; 0: all of them
     sampled: bool = True             # a second pass with chat's default sampling (seeded per prompt)
     peer: bool = True                # llama-cpp-python's prompt-lookup speculative decoding as a lane
+    no_pack_lane: bool = True        # a lane of exact mode without the pack: prompt-lookup drafts, what any GGUF gets
     seed: int = 0                    # the sampled pass's seed (prompt i draws from seed + i in every lane)
     command: str = ""
 
@@ -103,6 +106,8 @@ def load_engines(config: BenchConfig, qualities: Sequence[float | None]) -> list
                     n_ctx=ENGINE_CTX, n_threads=config.threads, kv_mode=mode, quality=quality,
                     threshold=config.threshold, native=native))
                 engines.append((mode if native else f"{mode}/python", engine))
+    if config.no_pack_lane:
+        engines.append((NO_PACK, Engine(config.model, pack=None, config=EngineConfig(n_ctx=ENGINE_CTX, n_threads=config.threads))))
     return engines
 
 
@@ -149,6 +154,8 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     cost = cost_lanes(model, draft_setup(first), n_ctx=seq_ctx, n_threads=config.threads, k=k)
     run_interleaved(prompts, vanilla, [*lanes, *([peer] if peer else [])], cost,
                     reporter.task("decoding, greedy", len(prompts) * (config.tokens - 1)))
+    categories = [p.category for p in selected]
+    greedy_choices = [exact_choices(lane, vanilla, categories) for lane in lanes]
     costs = TokenCosts.fit([cost])
     for lane in cost:
         lane.ctx.close()
@@ -164,7 +171,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
         peer_sampled = peer_lane(config, model.is_eog, sampling) if config.peer else None
         run_interleaved(prompts, vanilla_sampled, [*sampled_lanes, *([peer_sampled] if peer_sampled else [])], [],
                         reporter.task("decoding, sampled", len(prompts) * (config.tokens - 1)))
-        sampled = {i: sampled_result(lane, vanilla_sampled) for i, lane in enumerate(sampled_lanes)}
+        sampled = {i: sampled_result(lane, vanilla_sampled, categories) for i, lane in enumerate(sampled_lanes)}
     llm.close()
     for lane in (peer, peer_sampled):
         if lane is not None:
@@ -180,7 +187,6 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     reference = Context(model, n_ctx=seq_ctx, n_batch=seq_ctx, n_threads=config.threads)
     advance = reporter.task("quality", sum(lane.timing.steps for lane in lanes) + (len(lanes) + 1) * (len(heldout) - 1))
     ppl_full = perplexity(first, heldout, early_exit=False, advance=advance).value
-    categories = [p.category for p in selected]
     # how much of each vanilla greedy answer repeats itself, and the answers that do not loop
     repeated = [repetition(output) for output in vanilla.outputs]
     no_loop = [i for i, share in enumerate(repeated) if share < LOOP_SHARE]
@@ -191,7 +197,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
                     # exact mode's distribution is the full model's: its perplexity is plain decoding's
                     ppl=perplexity(lane.engine, heldout, early_exit=not lane.engine.exact, advance=advance),
                     margins=divergence_margins(reference, prompts, vanilla.outputs, lane.outputs),
-                    sampled=sampled.get(i))
+                    sampled=sampled.get(i), choices=greedy_choices[i])
         for i, lane in enumerate(lanes)
     ]
     reference.close()
@@ -206,12 +212,14 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
         oracle_histogram=oracle.histogram, costs=costs, ppl_full=ppl_full, ppl_tokens=len(heldout),
         default_quality=default_level.quality if default_level else None, modes=modes,
         vanilla_sampled_tok_s=vanilla_sampled.timing.tok_s if vanilla_sampled else None,
-        peer=lane_speed(peer, vanilla, no_loop) if peer else None,
-        peer_sampled=lane_speed(peer_sampled, vanilla_sampled) if peer_sampled and vanilla_sampled else None,
+        peer=lane_speed(peer, vanilla, categories, no_loop) if peer else None,
+        peer_sampled=lane_speed(peer_sampled, vanilla_sampled, categories) if peer_sampled and vanilla_sampled else None,
         repetition_by_category=by_category(repeated, categories),
         looping_answers=len(repeated) - len(no_loop),
         repetition_sampled_by_category=by_category(repeated_sampled, categories) if vanilla_sampled else {},
         looping_answers_sampled=sum(share >= LOOP_SHARE for share in repeated_sampled),
+        lookup_replay=replay_by_category(prompts, vanilla.outputs, categories),
+        lookup_replay_sampled=replay_by_category(prompts, vanilla_sampled.outputs, categories) if vanilla_sampled else {},
         seconds=time.perf_counter() - start, command=config.command,
     )
 
@@ -225,13 +233,53 @@ def peer_lane(config: BenchConfig, is_eog, sampling: SamplingParams | None = Non
     return PeerLane(str(config.model), ENGINE_CTX, config.threads, config.tokens, is_eog, **kwargs)
 
 
-def lane_speed(lane: PeerLane | SpecEELane, vanilla: VanillaLane, no_loop: Sequence[int] | None = None) -> SampledResult:
-    """A lane's speed-up over vanilla and its whole answers identical to vanilla's (same prompts and seeds);
-    no_loop: the prompts whose vanilla answer does not loop, for the speed-up on them alone."""
+def lane_speed(lane: PeerLane | SpecEELane, vanilla: VanillaLane, categories: Sequence[str],
+               no_loop: Sequence[int] | None = None) -> SampledResult:
+    """A lane's speed-up over vanilla, in all and per category, and its whole answers identical to vanilla's (same
+    prompts and seeds); no_loop: the prompts whose vanilla answer does not loop, for the speed-up on them alone."""
     identical = [output == reference for output, reference in zip(lane.outputs, vanilla.outputs)]
     speedup = lane.timing.tok_s / vanilla.timing.tok_s if vanilla.timing.tok_s else 0.0
     return SampledResult(speedup=speedup, identical=float(np.mean(identical)) if identical else 0.0,
-                         speedup_no_loop=speedup_on(lane, vanilla, no_loop) if no_loop is not None else None)
+                         speedup_no_loop=speedup_on(lane, vanilla, no_loop) if no_loop is not None else None,
+                         speedup_by_category=speedup_by_category(lane, vanilla, categories))
+
+
+def in_category(categories: Sequence[str]) -> dict[str, list[int]]:
+    """The prompts of each category, by index."""
+    return {c: [i for i, cat in enumerate(categories) if cat == c] for c in sorted(set(categories))}
+
+
+def speedup_by_category(lane: PeerLane | SpecEELane, vanilla: VanillaLane, categories: Sequence[str]) -> dict[str, float]:
+    return {c: speedup_on(lane, vanilla, prompts) or 0.0 for c, prompts in in_category(categories).items()}
+
+
+def decode_stats(records: Sequence[Sequence[TokenRecord]], n_layer: int) -> GenerationStats:
+    """The stats of these answers' timed steps (each answer's first token comes from the prompt pass)."""
+    stats = GenerationStats(n_layer, early_exit=True)
+    for answer in records:
+        for record in answer[1:]:
+            stats.add(record)
+    return stats
+
+
+def exact_choices(lane: SpecEELane, vanilla: VanillaLane, categories: Sequence[str]) -> ExactChoices | None:
+    """What an exact lane's controller chose, in all and per category, with the costs it measured (None for a
+    lossy lane)."""
+    if not lane.engine.exact:
+        return None
+    n_layer = lane.engine.n_layer
+    stats = decode_stats(lane.records, n_layer)
+    by_category = {}
+    for category, prompts in in_category(categories).items():
+        part = decode_stats([lane.records[i] for i in prompts], n_layer)
+        vanilla_tok_s = vanilla.timing.tok_s_on(prompts)
+        by_category[category] = {
+            "acceptance_rate": part.acceptance_rate, "tokens_per_round": part.tokens_per_round,
+            "verify_cost": part.time_ms["batch"] / part.rounds * vanilla_tok_s / 1e3 if part.rounds and vanilla_tok_s else None,
+            "plain": part.choice_shares()["plain"]}
+    return ExactChoices(shares=stats.choice_shares(), mean_drafts=stats.mean_drafts, explore_rounds=stats.explore_rounds,
+                        explore_ms_per_token=stats.explore_ms / stats.n_decode if stats.n_decode else 0.0,
+                        controller=lane.engine.controller.snapshot(), by_category=by_category)
 
 
 def speedup_on(lane: PeerLane | SpecEELane, vanilla: VanillaLane, prompts: Sequence[int]) -> float | None:
@@ -240,24 +288,21 @@ def speedup_on(lane: PeerLane | SpecEELane, vanilla: VanillaLane, prompts: Seque
     return lane.timing.tok_s_on(prompts) / base if prompts and base else None
 
 
-def sampled_result(lane: SpecEELane, vanilla: VanillaLane) -> SampledResult:
-    stats = GenerationStats(lane.engine.n_layer, early_exit=True)
-    for record in lane.decode_records():
-        stats.add(record)
-    result = lane_speed(lane, vanilla)
+def sampled_result(lane: SpecEELane, vanilla: VanillaLane, categories: Sequence[str]) -> SampledResult:
+    stats = decode_stats(lane.records, lane.engine.n_layer)
+    result = lane_speed(lane, vanilla, categories)
     result.acceptance_rate = stats.acceptance_rate
     result.tokens_per_round = stats.tokens_per_round
+    result.exact = exact_choices(lane, vanilla, categories)
     return result
 
 
 def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, costs: TokenCosts, categories: Sequence[str],
                 no_loop: Sequence[int], *, agreement: Agreement, ppl: Perplexity, margins: list[float],
-                sampled: SampledResult | None) -> ModeResult:
+                sampled: SampledResult | None, choices: ExactChoices | None) -> ModeResult:
     """categories: each prompt's, in the order the lane answered them; no_loop: the prompts whose vanilla
     answer does not loop."""
-    stats = GenerationStats(oracle.n_layer, early_exit=True)
-    for record in lane.decode_records():
-        stats.add(record)
+    stats = decode_stats(lane.records, oracle.n_layer)
     by_category: dict[str, GenerationStats] = {}
     for category, records in zip(categories, lane.records):
         for record in records[1:]:
@@ -267,9 +312,10 @@ def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, costs: T
                              for c in sorted(set(categories))}
     speedup = lane.timing.tok_s / vanilla.timing.tok_s if vanilla.timing.tok_s else 0.0
     headroom = oracle.head_free_speedup - 1
-    level = lane.engine.policy.level if lane.engine.policy and lane.engine.policy.threshold is None else None
+    policy = lane.engine.policy
+    level = policy.level if policy and policy.threshold is None else None
     return ModeResult(
-        kv_mode=lane.kv_mode, quality=lane.engine.policy.quality, steps=lane.timing.steps,
+        kv_mode=lane.kv_mode, quality=policy.quality if policy else EXACT_QUALITY, steps=lane.timing.steps,
         specee_tok_s=lane.timing.tok_s, speedup=speedup, speedup_no_loop=speedup_on(lane, vanilla, no_loop),
         gain_captured=(speedup - 1) / headroom if headroom > 1e-9 else None,
         agreement=agreement.agreement, exact_prefix=exact_prefix(vanilla.outputs, lane.outputs),
@@ -294,6 +340,7 @@ def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, costs: T
         calibrated_speedup_sampled=level.speedup_sampled if level and level.exact else None,
         calibrated_agreement=level.agreement_interval() if level and not level.exact and level.steps else None,
         agreement_interval=agreement.interval,
+        speedup_by_category=speedup_by_category(lane, vanilla, categories), choices=choices, pack=policy is not None,
     )
 
 

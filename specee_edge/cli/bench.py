@@ -41,7 +41,7 @@ class ManualProgress:
 def bench(
     model: Annotated[str | None, typer.Argument(help="model GGUF or registry name (default: the default model)")] = None,
     pack: Annotated[str | None, typer.Option("--pack", help="pack (default: MODEL.specee.gguf beside the model, else the shipped one)")] = None,
-    prompts: Annotated[str, typer.Option("--prompts", help="chat, code, math, summarize, all, or a .jsonl file")] = "all",
+    prompts: Annotated[str, typer.Option("--prompts", help="chat, code, math, summarize, edit, all, or a .jsonl file")] = "all",
     num_prompts: Annotated[int, typer.Option("-p", "--num-prompts", help="prompts to run, in turns from each category (0: all)")] = 8,
     tokens: Annotated[int, typer.Option("-n", "--tokens", help="tokens generated per prompt")] = 96,
     kv_mode: Annotated[str | None, typer.Option("--kv-mode", help="mask, fill, full, or all (default: the engine's)")] = None,

@@ -38,7 +38,7 @@ RepeatPenalty = Annotated[float, typer.Option("--repeat-penalty", help="penalty 
 SystemPrompt = Annotated[str | None, typer.Option("-sys", "--system-prompt", show_default=False, help="system prompt")]
 ChatTemplate = Annotated[str | None, typer.Option("--chat-template", show_default=False,
                                                   help="chatml, llama3, mistral, gemma, a Jinja file or a template (default: the model's)")]
-NoEarlyExit = Annotated[bool, typer.Option("--no-early-exit", help="decode every layer (the pack stays loaded)")]
+NoEarlyExit = Annotated[bool, typer.Option("--no-early-exit", help="plain decoding: every layer, no drafts (the pack stays loaded)")]
 Quality = Annotated[str | None, typer.Option("--quality", show_default=False, help=(
     "the pack's quality level: exact (early exits draft tokens that the full model verifies in batches, so the "
     "replies are the model's own), or a lossy level such as 0.95: at each step, the token it emits is the one the full "
@@ -105,9 +105,10 @@ def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str,
         if strict_pack or isinstance(e, (ModelLoadError, PackLevelError)):
             raise
         engine = Engine(model_path, pack=None, config=config)  # fails again if the model, not the pack, is the problem
-        notice = f"{e}; early exit off"
-    if engine.policy is None and notice is None:
-        notice = f"early exit off: no pack for {label}; make one with `specee-edge calibrate {label}`"
+        notice = f"{e}; early exit off (exact mode with prompt-lookup drafts only)"
+    if engine.policy is None and notice is None and engine.exact:
+        notice = (f"no pack for {label}: exact mode with prompt-lookup drafts only; `specee-edge calibrate {label}`"
+                  " adds exit drafts and lossy quality levels")
     return engine, label, notice
 
 
@@ -203,7 +204,10 @@ def _banner(engine: Engine, notice: str | None) -> None:
     info = engine.model.info
     pack = f", pack {engine.policy.pack_path.name}" if engine.policy else ""
     setting = exit_setting(engine)
-    state = f"early exit {'on' if engine.early_exit else 'off'}{f', {setting}' if setting else ''}"
+    if engine.exact and engine.policy is None:
+        state = "exact mode, prompt-lookup drafts where they pay here"
+    else:
+        state = f"early exit {'on' if engine.early_exit else 'off'}{f', {setting}' if setting else ''}"
     line = {"highlight": False, "markup": False, "soft_wrap": True}
     console.print(f"specee-edge chat · {info.path.name} ({info.arch}, {info.n_layer} layers{pack}) · {state}", **line)
     if notice:

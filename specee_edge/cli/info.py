@@ -122,17 +122,17 @@ def _levels_table(pack: Pack) -> Table:
         if level.exact:  # the full model's own answers: agreement 1 by construction, speed measured end to end
             interval, identical = "1 (exact)", "all"
             drafting = lambda greedy: "drafts" if level.drafts(greedy) else "plain"
-            speed += f" greedy, {drafting(True)}" + (f"\n{level.speedup_sampled:.3f}x sampled, {drafting(False)}"
-                                                     if level.speedup_sampled else "")
+            speed += (f" greedy, {drafting(True)} at calibration" +
+                      (f"\n{level.speedup_sampled:.3f}x sampled, {drafting(False)}" if level.speedup_sampled else ""))
         table.add_row(f"{quality_name(level.quality)}{' *' if level.quality == default else ''}", _exits_cell(level),
                       interval, f"{level.exit_rate:.3f}", f"{level.head_free_rate:.3f}", speed, identical)
     promise = ("a lossy level q: at each step of a reply, the token it emits is the one the full model would pick on"
                " the same text, in at least q of the steps (q is at most the low end of the held-out agreement's 95%"
                " interval, bootstrapped over prompts); whole answers still drift after a first difference (identical)")
-    exact = ("; exact: exits and prompt lookup draft, the full model verifies up to max_draft drafts per batch; its"
-             " speed was measured against plain decoding in the same run, and it drafts (greedy, sampled) only"
-             " where the whole 95% interval of that speed-up lay above 1; the lossy levels' speed is predicted"
-             " from measured costs")
+    exact = ("; exact: exits and prompt lookup draft, the full model verifies them in batches; its speed was measured"
+             " against plain decoding on the calibrating machine, but whether a round drafts, and how many, is"
+             " decided at run time from what steps, batches and acceptance cost on the machine it runs on (the"
+             " controller); the lossy levels' speed is predicted from measured costs")
     table.caption = promise + (exact if any(lv.exact for lv in pack.levels) else "")
     return table
 

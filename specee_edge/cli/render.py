@@ -51,18 +51,28 @@ def level_warning(engine: Engine) -> str | None:
 
 
 def footer(stats: GenerationStats, setting: str | None = None) -> str:
-    """One line after each reply: prompt t/s, generation t/s, avg exit layer, exit %, and the exit setting."""
+    """One line after each reply: prompt t/s, generation t/s; in exact mode what its controller chose, else the
+    avg exit layer and exit %; and the exit setting."""
     parts = [f"prompt {stats.prompt_tok_s:.1f} t/s", f"generation {stats.decode_tok_s:.1f} t/s"]
-    if stats.early_exit:
-        if stats.rounds:  # exact mode: drafts the full model accepted, tokens per verification batch
+    if stats.exact:
+        parts.append(exact_choices(stats))
+        if stats.rounds:  # drafts the full model accepted, tokens per verification batch
             parts += [f"accepted {stats.acceptance_rate:.0%}", f"{stats.tokens_per_round:.1f} tokens/round"]
-        else:
-            parts += [f"avg exit layer {stats.avg_exit_layer:.1f}/{stats.n_layer - 1}", f"exit {stats.exit_rate:.0%}"]
-        if setting:
-            parts.append(setting)
+    elif stats.early_exit:
+        parts += [f"avg exit layer {stats.avg_exit_layer:.1f}/{stats.n_layer - 1}", f"exit {stats.exit_rate:.0%}"]
     else:
         parts.append("early exit off")
+    if setting and (stats.exact or stats.early_exit):
+        parts.append(setting)
     return "[ " + " | ".join(parts) + " ]"
+
+
+def exact_choices(stats: GenerationStats) -> str:
+    """Exact mode's choices in one phrase: the share of tokens from plain steps and from each kind of round."""
+    shares = stats.choice_shares()
+    cells = [f"{name} {shares[name]:.0%}" for name in ("plain", "lookup", "exit") if shares[name] or name == "plain"]
+    drafts = f", {stats.mean_drafts:.1f} drafts/batch" if stats.rounds else ""
+    return "exact: " + " · ".join(cells) + drafts
 
 
 def exit_histogram(stats: GenerationStats) -> str:
@@ -90,6 +100,14 @@ def stats_table(stats: GenerationStats) -> Table:
             ("verify_fail_rate", f"{s['verify_fail_rate']:.1%} ({s['verify_failures']} of {s['positives']} positives)"),
             ("draft_recall@k", f"{s['draft_recall_at_k']:.1%}"),
             ("exit layers", exit_histogram(stats)),
+        ]
+    if s["exact"]:
+        c = s["controller"]
+        rows += [
+            ("exact mode", exact_choices(stats) + f"; {s['explore_rounds']} explorations"
+                           f" ({s['explore_ms']:+.1f} ms beyond the choices they displaced)"),
+            ("measured here", f"plain step {c.get('plain_ms') or 0:.2f} ms; batch by rows "
+                              + (", ".join(f"{r}: {ms:.2f}" for r, ms in c.get("batch_ms", {}).items()) or "-")),
         ]
     if s["rounds"]:
         rows += [

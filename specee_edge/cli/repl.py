@@ -42,7 +42,7 @@ HELP: tuple[tuple[str, str], ...] = (
     ("/set quality exact|Q|default", "the pack's quality level: exact (drafts verified: the model's own replies) or an agreement such as 0.95"),
     ("/set threshold N", "exit threshold of every predictor layer (0..1), instead of the level's"),
     ("/set verbose on|off", "the /stats table after every reply"),
-    ("/early-exit on|off", "speculative early exit (needs a pack)"),
+    ("/early-exit on|off", "speculative early exit and exact mode's drafts (off: plain decoding)"),
     ("/stats", "detail of the last reply"),
     ("/show info", "model, pack, schedule and settings"),
     ('"""', "starts and ends a multi-line message"),

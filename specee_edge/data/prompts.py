@@ -44,7 +44,7 @@ def load_prompts(path: str | Path | None = None) -> list[Prompt]:
 
 
 def bench_prompts(name_or_path: str) -> list[Prompt]:
-    """A built-in bench set (chat, code, math, summarize, or all) or a JSONL file."""
+    """A built-in bench set (chat, code, math, summarize, edit, or all) or a JSONL file."""
     if Path(name_or_path).suffix == ".jsonl":
         return load_prompts(name_or_path)
     rows = _read_jsonl(files(__package__).joinpath("bench_prompts.jsonl").read_text(), "bench_prompts.jsonl", "set")

@@ -20,7 +20,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from specee_edge.engine import GenerationStats, SamplingParams, TokenRecord
 from specee_edge.engine.sampling import TokenLogprobs
 from specee_edge.exits import ExitKind
-from specee_edge.pack.format import EXACT_QUALITY
 
 MAX_STOPS = 4             # OpenAI's limit
 MAX_STOP_CHARS = 1024
@@ -204,8 +203,12 @@ def reply_extension(stats: GenerationStats, quality: float | None) -> dict:
     return {"early_exit": stats.early_exit, "quality": quality, "n_layer": stats.n_layer,
             "avg_exit_layer": round(stats.avg_exit_layer, 3), "exit_rate": round(stats.exit_rate, 4),
             "head_free_rate": round(stats.head_free_rate, 4), "prompt_tok_s": round(stats.prompt_tok_s, 2),
-            "decode_tok_s": round(stats.decode_tok_s, 2), "exact": stats.rounds > 0 or quality == EXACT_QUALITY,
-            "acceptance_rate": round(stats.acceptance_rate, 4), "tokens_per_round": round(stats.tokens_per_round, 3)}
+            "decode_tok_s": round(stats.decode_tok_s, 2), "exact": stats.exact,
+            "acceptance_rate": round(stats.acceptance_rate, 4), "tokens_per_round": round(stats.tokens_per_round, 3),
+            # exact mode: what its controller chose (shares of the decoded tokens) and the costs it measured
+            "choices": {k: round(v, 4) for k, v in stats.choice_shares().items()},
+            "mean_drafts": round(stats.mean_drafts, 3), "explore_rounds": stats.explore_rounds,
+            "controller": stats.controller}
 
 
 def created() -> int:

@@ -1,0 +1,78 @@
+"""Prompt lookup replayed over finished answers: what exact mode's lookup drafts would accept, on any machine.
+
+Acceptance depends on the text, not on the hardware: replaying lookup over vanilla's own answers (greedy, or
+sampled, whose tokens are draws from the same distribution exact mode draws from) counts the rounds a machine
+would run if it drafted at every match. Where a batch of up to ROUND_MAX_DRAFTS + 1 rows costs about one step
+(a GPU, Apple silicon), the speed-up is then the tokens over the rounds and plain steps together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specee_edge.draft.lookup import LOOKUP_MAX_N, PromptLookup
+from specee_edge.engine.engine import ROUND_MAX_DRAFTS
+
+
+@dataclass
+class LookupReplay:
+    tokens: int = 0      # decode steps' tokens (each answer's first comes from the prompt pass)
+    rounds: int = 0      # verification batches: positions where lookup had a match
+    plain: int = 0       # positions without a match: a plain step
+    drafts: int = 0
+    accepted: int = 0
+
+    def add(self, other: LookupReplay) -> None:
+        for name in ("tokens", "rounds", "plain", "drafts", "accepted"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafts if self.drafts else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return (self.tokens - self.plain) / self.rounds if self.rounds else 0.0
+
+    @property
+    def speedup_at_unit_batch(self) -> float:
+        """Tokens per unit of time where a batch costs what a plain step costs."""
+        return self.tokens / (self.rounds + self.plain) if self.rounds + self.plain else 1.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {"acceptance_rate": self.acceptance_rate, "tokens_per_round": self.tokens_per_round,
+                "speedup_at_unit_batch": self.speedup_at_unit_batch, "rounds": self.rounds, "tokens": self.tokens}
+
+
+def replay_lookup(prompt: Sequence[int], answer: Sequence[int], max_drafts: int = ROUND_MAX_DRAFTS,
+                  max_n: int = LOOKUP_MAX_N) -> LookupReplay:
+    """Exact mode's lookup rounds along `answer`, drafting at every match (up to `max_drafts`)."""
+    index = PromptLookup(max_n)
+    index.extend(prompt)
+    out = LookupReplay(tokens=max(len(answer) - 1, 0))
+    i = 0  # answer[i] is the last emitted token
+    while i < len(answer) - 1:
+        index.extend(answer[i : i + 1])
+        drafts = index.continuation(min(max_drafts, len(answer) - 1 - i))
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == answer[i + 1 + accepted]:
+            accepted += 1
+        emitted = min(accepted + 1, len(answer) - 1 - i)
+        if drafts:
+            out.rounds += 1
+            out.drafts += len(drafts)
+            out.accepted += accepted
+        else:
+            out.plain += 1
+        index.extend(answer[i + 1 : i + emitted])
+        i += emitted
+    return out
+
+
+def replay_by_category(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
+                       categories: Sequence[str]) -> dict[str, dict[str, float]]:
+    totals: dict[str, LookupReplay] = {}
+    for prompt, answer, category in zip(prompts, answers, categories):
+        totals.setdefault(category, LookupReplay()).add(replay_lookup(prompt, answer))
+    return {c: r.to_dict() for c, r in sorted(totals.items())}
