@@ -113,11 +113,11 @@ class BatchLane(ResumeLane):
         self.ctx.decode([token])
 
 
-def random_setup(n_embd: int, pack: Pack, seed: int = 0) -> DraftSetup:
-    """A draft head of the pack's size with random weights for a model `n_embd` wide, and one of its predictors
-    (their values change no step's time)."""
+def random_setup(n_embd: int, n_vocab: int, pack: Pack, seed: int = 0) -> DraftSetup:
+    """A draft head of the pack's size (at most the vocabulary, in whole q8_0 blocks) with random weights for a
+    model `n_embd` wide, and one of its predictors (their values change no step's time)."""
     rng = np.random.default_rng(seed)
-    rows = len(pack.draft.vocab_map) if pack.draft.vocab_map is not None else 4096
+    rows = min(n_vocab if pack.draft.vocab_map is None else len(pack.draft.vocab_map), n_vocab // 32 * 32)
     square = lambda: (rng.standard_normal((n_embd, n_embd)) / np.sqrt(n_embd)).astype(np.float32)
     draft = dict(w_embd=square(), w_hidden=square(), bias=np.zeros(n_embd, np.float32),
                  norm=np.ones(n_embd, np.float32), eps=1e-6,
@@ -144,7 +144,7 @@ class ShapeCosts:
 def measure(path: Path, shape: Shape, pack: Pack, *, gpu_layers: int, threads: int, rounds: int, tokens: int
             ) -> ShapeCosts:
     config = shape.config
-    setup = random_setup(config.n_embd, pack)
+    setup = random_setup(config.n_embd, config.n_vocab, pack)
     probe = Model(path, n_gpu_layers=0)
     prompt = probe.tokenize(PROMPT)
     probe.close()
