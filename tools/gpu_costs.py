@@ -26,6 +26,7 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -90,6 +91,7 @@ class ResumeLane(CostLane):
         start = time.perf_counter()
         self.ctx.decode([token])
         self.ctx.resume()
+        self.ctx.synchronize()
         self._record(time.perf_counter() - start)
 
     def _record(self, seconds: float) -> None:
@@ -108,6 +110,7 @@ class BatchLane(ResumeLane):
         n_past = self.ctx.n_past
         start = time.perf_counter()
         self.ctx.decode([token] * self.rows, output_all=True)
+        self.ctx.synchronize()
         self._record(time.perf_counter() - start)
         self.ctx.truncate(n_past)
         self.ctx.decode([token])
@@ -252,13 +255,15 @@ def prediction_table(rows: list[ShapeCosts], where: str) -> Table:
 
 
 def device_name(gpu_layers: int) -> str:
+    """What the layers run on: the GPU's name where they are offloaded (nvidia-smi's, where there is one)."""
     from llama_cpp import llama_cpp as _llama
 
-    if gpu_layers and _llama.llama_supports_gpu_offload():
-        names = [_llama.ggml_backend_dev_description(_llama.ggml_backend_dev_get(i)).decode()
-                 for i in range(_llama.ggml_backend_dev_count())]
-        return ", ".join(n for n in names if n) or "the GPU"
-    return "the CPU"
+    if not (gpu_layers and _llama.llama_supports_gpu_offload()):
+        return "the CPU"
+    smi = shutil.which("nvidia-smi")
+    names = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                           text=True).stdout.split("\n") if smi else []
+    return names[0].strip() or "the GPU" if names else "the GPU"
 
 
 def main() -> int:
@@ -271,6 +276,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16, help="timed tokens per round")
     parser.add_argument("--llama2-layers", type=int, default=32,
                         help="Llama-2-7B's layers (fewer: a cut-down shape that a CPU times quickly)")
+    parser.add_argument("--until", type=float, default=None, help="a deadline (seconds since the epoch): a shape "
+                        "that would not be timed before it is skipped, so that the tables still print")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here (and the tables, as "
                         "text, beside it with the suffix .txt)")
     args = parser.parse_args()
@@ -284,6 +291,9 @@ def main() -> int:
             shape = dataclasses.replace(shape, name=f"Llama-2-7B cut to {args.llama2_layers}",
                                         config=dataclasses.replace(shape.config, n_layer=args.llama2_layers))
         path = folder / f"{shape.config.arch}-{shape.config.n_layer}L-{shape.config.n_embd}.gguf"
+        if args.until is not None and time.time() + seconds_needed(shape.config) > args.until:
+            stamp(console, f"{shape.name}: skipped, too little time left before the deadline")
+            continue
         stamp(console, f"{shape.name}: writing {path}")
         write_tiny_model(path, shape.config, tiled=True)
         stamp(console, f"{shape.name}: {path.stat().st_size / 1e9:.2f} GB written; timing on {where}")
@@ -305,6 +315,15 @@ def main() -> int:
         args.json.with_suffix(".txt").write_text(console.export_text())
         stamp(console, f"wrote {args.json} and the tables as text beside it")
     return 0
+
+
+def seconds_needed(config: TinyConfig) -> float:
+    """A generous guess at writing, loading and timing a shape: a fixed part, and a part per GB of weights."""
+    bytes_per_weight = {"f32": 4, "f16": 2, "q8_0": 34 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32}[config.weight_type]
+    weights = (config.n_layer * (2 * config.n_embd * config.n_embd_q + 2 * config.n_embd * config.n_embd_kv
+                                 + 3 * config.n_embd * config.n_ff)
+               + (1 if config.tied_embeddings else 2) * config.n_vocab * config.n_embd)
+    return 20 + 5 * weights * bytes_per_weight / 1e9
 
 
 def default_dir() -> Path:
