@@ -20,7 +20,10 @@ WORK=${SPECEE_GPU_WORK:-/tmp/specee-gpu-check}
 export SPECEE_BACKEND=${SPECEE_BACKEND:-cuda} SPECEE_CACHE=$WORK/cache PYTHONUNBUFFERED=1
 # the cost table skips the shapes it could not time before this (a one-command limit of 9 minutes, 40 s to spare)
 deadline=$(( $(date +%s) + ${SPECEE_GPU_BUDGET_S:-500} ))
-if [ -n "${OUT:-}" ]; then exec > >(tee "$OUT/gpu_check.log") 2>&1; fi
+if [ -n "${OUT:-}" ]; then
+    exec > >(tee "$OUT/gpu_check.log") 2>&1
+    trap 'cp "$WORK"/cache/logs/build-*.log "$OUT"/ 2>/dev/null || true' EXIT  # the build's full log, if it ran
+fi
 step() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
 sdist=$(ls "$BUNDLE"/llama_cpp_python-*.tar.gz 2>/dev/null | head -n 1 || true)
@@ -34,6 +37,8 @@ export PYTHONPATH="$WORK/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "$SPECEE_BACKEND" = cuda ]; then
     if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
+    if [ -d /usr/local/cuda/lib64 ]; then export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
+    nvcc --version | tail -n 1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     # only the GPU present: its compute capability (9.0 -> 90), else CMake's own detection
     arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '. ' || true)
