@@ -5,7 +5,9 @@ f16 as the paper ran it) and times each through the patched runtime, all layers 
 lanes of specee_edge/runtime/costs.py (a plain token, a layer, the LM head, the draft, a check, a stop, a
 skipped layer's K/V rebuilt), plus a stop halfway and its resume, and verification batches of 1-8 rows (exact
 mode's). Weights do not change a step's time, only shapes and types do: the shipped models' own types where
-gguf-py can write them (SmolLM2 Q4_1), Q4_0 for the two Q4_K_M ones (gguf-py cannot write Q4_K).
+gguf-py can write them (SmolLM2 Q4_1), Q4_1 for the two Q4_K_M ones too (gguf-py cannot write Q4_K; Q4_1's 5
+bits a weight are the nearest to Q4_K_M's 4.9 of what it writes, and Q4_0 models abort in the scheduler once
+the draft head is in the graph on an AVX2 CPU: GGML_ASSERT(*cur_backend_id != -1), a bug of its own).
 
 How often tokens exit, and how many drafts the full model accepts, does not depend on the hardware: the
 predictions take them from the shipped packs' levels (calibration's held-out figures on the real models, on
@@ -65,10 +67,10 @@ SHAPES = (
           "SmolLM2-135M-Instruct.Q4_1.specee.gguf"),
     Shape("gemma-3-270m", TinyConfig("gemma3", n_layer=18, n_embd=640, n_head=4, n_head_kv=1, n_embd_head=256,
                                      n_ff=2048, n_vocab=262144, n_ctx_train=4096, tied_embeddings=True,
-                                     weight_type="q4_0", n_swa=512, swa_pattern=6),
+                                     weight_type="q4_1", n_swa=512, swa_pattern=6),
           "gemma-3-270m-q4_k_m.specee.gguf"),
     Shape("Qwen2.5-Coder-1.5B", TinyConfig("qwen2", n_layer=28, n_embd=1536, n_head=12, n_head_kv=2, n_ff=8960,
-                                           n_vocab=151936, n_ctx_train=4096, tied_embeddings=True, weight_type="q4_0"),
+                                           n_vocab=151936, n_ctx_train=4096, tied_embeddings=True, weight_type="q4_1"),
           "qwen2.5-coder-1.5b-instruct-q4_k_m.specee.gguf"),
     Shape("Llama-2-7B", TinyConfig("llama", n_layer=32, n_embd=4096, n_head=32, n_head_kv=32, n_ff=11008,
                                    n_vocab=32000, n_ctx_train=4096, weight_type="f16"),
