@@ -8,7 +8,9 @@ not: fused QKV, LayerNorm with biases, learned position embeddings, no RoPE).
 embedding scaled by sqrt(n_embd), optional output soft-capping, and with
 ``n_swa > 0`` a sliding window on all layers but every ``swa_pattern``-th (llama.cpp
 then keeps two caches: one for the window layers, one for the global ones).
-``write_corrupt_model`` writes files llama.cpp must refuse to load.
+``write_corrupt_model`` writes files llama.cpp must refuse to load. With ``tiled=True``,
+``write_tiny_model`` writes models of real sizes too (tools/gpu_costs.py: a Llama-2-7B shape in f16,
+13.5 GB): every tensor is cut from one block of random values, repeated, and streamed to the file.
 
 The vocabulary is a real byte-level BPE (``tokenizer.ggml.model = "gpt2"``,
 pre-tokenizer ``gpt-2``) with merges trained on a small English text, so
@@ -40,7 +42,10 @@ from gguf import GGMLQuantizationType, TokenType
 EMBD_SCALE = 0.05
 ATTN_OUT_GAIN = 0.1
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "gpt2")
-WEIGHT_TYPES = ("f32", "f16", "q8_0")
+WEIGHT_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
+QUANT_TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
+               "q4_1": GGMLQuantizationType.Q4_1}
+QUANT_BLOCK = 32  # values per block of every type in QUANT_TYPES
 CORRUPT_KINDS = ("truncated", "garbage", "empty")
 
 BOS_ID, IM_START_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
@@ -74,8 +79,10 @@ class TinyConfig:
     token (specials, bytes and merges) and must be at least 128.  With
     ``tied_embeddings`` there is no ``output.weight`` and llama.cpp reuses
     ``token_embd.weight``.  ``weight_type`` applies to the 2-D matmul weights
-    (``q8_0`` needs every row length to be a multiple of 32); norms, biases and
-    gpt2's position embeddings stay f32.
+    (the quantized types need every row length to be a multiple of 32); norms,
+    biases and gpt2's position embeddings stay f32. ``n_embd_head`` sets the
+    attention heads' width where it is not ``n_embd / n_head`` (gemma-3-270m:
+    4 heads of 256 on a 640-wide stream).
     """
 
     arch: str = "llama"
@@ -93,10 +100,15 @@ class TinyConfig:
     swa_pattern: int = 2
     final_softcap: float = 0.0
     chat_template: bool = True
+    n_embd_head: int = 0  # 0: n_embd // n_head
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.n_embd_head or self.n_embd // self.n_head
+
+    @property
+    def n_embd_q(self) -> int:
+        return self.head_dim * self.n_head
 
     @property
     def n_embd_kv(self) -> int:
@@ -191,7 +203,7 @@ class _Weights:
         elif wtype == "f16":
             self.writer.add_tensor(name, data.astype(np.float16))
         else:
-            qtype = GGMLQuantizationType.Q8_0
+            qtype = QUANT_TYPES[wtype]
             self.writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
     def vector(self, name: str, n: int, mean: float = 0.0, scale: float = 0.02) -> None:
@@ -202,10 +214,58 @@ class _Weights:
         self.writer.add_tensor(name, (self.rng.standard_normal((rows, cols)) * scale).astype(np.float32))
 
 
+class _TiledWeights:
+    """The same tensors as _Weights, cut from one block of random values repeated, and streamed: a model of
+    billions of weights is written about as fast as its bytes reach the disk and is never held in memory
+    whole. Two passes over the tensors: the first declares them (``declaring``), the second writes their
+    data, in the same order."""
+
+    BLOCK = 1 << 18  # values drawn once; a multiple of QUANT_BLOCK, so quantized blocks tile whole
+
+    def __init__(self, writer: gguf.GGUFWriter, config: TinyConfig) -> None:
+        self.writer = writer
+        self.config = config
+        self.values = np.random.default_rng(config.seed).standard_normal(self.BLOCK).astype(np.float32)
+        self.encoded: dict[tuple[str, float, float], np.ndarray] = {}
+        self.declaring = True
+
+    def _block(self, wtype: str, mean: float, scale: float) -> np.ndarray:
+        """BLOCK values of mean + scale * N(0, 1), encoded as ``wtype``, as bytes."""
+        key = (wtype, mean, scale)
+        if key not in self.encoded:
+            data = mean + self.values * np.float32(scale)
+            if wtype in QUANT_TYPES:
+                data = gguf.quants.quantize(data.reshape(-1, QUANT_BLOCK), QUANT_TYPES[wtype])
+            elif wtype == "f16":
+                data = data.astype(np.float16)
+            self.encoded[key] = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        return self.encoded[key]
+
+    def _tensor(self, name: str, shape: tuple[int, ...], wtype: str, mean: float, scale: float) -> None:
+        block = self._block(wtype, mean, scale)
+        nbytes = int(np.prod(shape)) * len(block) // self.BLOCK
+        if self.declaring:
+            qtype = QUANT_TYPES.get(wtype, GGMLQuantizationType.F16 if wtype == "f16" else GGMLQuantizationType.F32)
+            self.writer.add_tensor_info(name, (*shape[:-1], nbytes // int(np.prod(shape[:-1]))), np.dtype(np.uint8),
+                                        nbytes, raw_dtype=qtype)
+        else:
+            self.writer.write_tensor_data(np.resize(block, nbytes))
+
+    def matrix(self, name: str, rows: int, cols: int, scale: float | None = None) -> None:
+        self._tensor(name, (rows, cols), self.config.weight_type, 0.0, 1.0 / np.sqrt(cols) if scale is None else scale)
+
+    def vector(self, name: str, n: int, mean: float = 0.0, scale: float = 0.02) -> None:
+        self._tensor(name, (n,), "f32", mean, scale)
+
+    def f32_matrix(self, name: str, rows: int, cols: int, scale: float) -> None:
+        self._tensor(name, (rows, cols), "f32", 0.0, scale)
+
+
 def _add_metadata(w: gguf.GGUFWriter, c: TinyConfig) -> None:
     w.add_name(f"tiny-{c.arch}-{c.weight_type}")
     w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[c.weight_type])
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+                     "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[c.weight_type])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_vocab_size(c.n_vocab)
     w.add_context_length(c.n_ctx_train)
@@ -247,7 +307,7 @@ def _add_metadata(w: gguf.GGUFWriter, c: TinyConfig) -> None:
 
 
 def _add_tensors(t: _Weights, c: TinyConfig) -> None:
-    e, kv, ff = c.n_embd, c.n_embd_kv, c.n_ff
+    e, q, kv, ff = c.n_embd, c.n_embd_q, c.n_embd_kv, c.n_ff
     t.matrix("token_embd.weight", c.n_vocab, e, scale=EMBD_SCALE)
     if c.arch == "gpt2":
         t.f32_matrix("position_embd.weight", c.n_ctx_train, e, scale=0.02)
@@ -268,17 +328,17 @@ def _add_tensors(t: _Weights, c: TinyConfig) -> None:
             t.vector(p + "ffn_down.bias", e)
             continue
         t.vector(p + "attn_norm.weight", e, mean=1.0, scale=0.1)
-        t.matrix(p + "attn_q.weight", e, e)
+        t.matrix(p + "attn_q.weight", q, e)
         t.matrix(p + "attn_k.weight", kv, e)
         t.matrix(p + "attn_v.weight", kv, e)
         if c.arch == "qwen2":
-            t.vector(p + "attn_q.bias", e, scale=0.1)
+            t.vector(p + "attn_q.bias", q, scale=0.1)
             t.vector(p + "attn_k.bias", kv, scale=0.1)
             t.vector(p + "attn_v.bias", kv, scale=0.1)
         if c.arch in ("qwen3", "gemma3"):
             t.vector(p + "attn_q_norm.weight", c.head_dim, mean=1.0, scale=0.1)
             t.vector(p + "attn_k_norm.weight", c.head_dim, mean=1.0, scale=0.1)
-        t.matrix(p + "attn_output.weight", e, e, scale=ATTN_OUT_GAIN / np.sqrt(e))
+        t.matrix(p + "attn_output.weight", e, q, scale=ATTN_OUT_GAIN / np.sqrt(q))
         t.vector(p + "ffn_norm.weight", e, mean=1.0, scale=0.1)
         t.matrix(p + "ffn_gate.weight", ff, e)
         t.matrix(p + "ffn_up.weight", ff, e)
@@ -298,23 +358,35 @@ def _check(c: TinyConfig) -> None:
         raise ValueError(f"arch must be one of {ARCHS}, got {c.arch!r}")
     if c.weight_type not in WEIGHT_TYPES:
         raise ValueError(f"weight_type must be one of {WEIGHT_TYPES}, got {c.weight_type!r}")
-    if c.n_embd % c.n_head or c.n_head % c.n_head_kv:
-        raise ValueError("n_embd must be divisible by n_head, and n_head by n_head_kv")
-    if c.weight_type == "q8_0" and (c.n_embd % 32 or c.n_ff % 32):
-        raise ValueError("q8_0 needs n_embd and n_ff to be multiples of 32")
+    if (c.n_embd % c.n_head and not c.n_embd_head) or c.n_head % c.n_head_kv:
+        raise ValueError("n_embd must be divisible by n_head (or n_embd_head set), and n_head by n_head_kv")
+    if c.n_embd_head and c.arch == "gpt2":
+        raise ValueError("gpt2's heads are n_embd / n_head wide")
+    if c.weight_type in QUANT_TYPES and (c.n_embd % QUANT_BLOCK or c.n_ff % QUANT_BLOCK or c.n_embd_q % QUANT_BLOCK):
+        raise ValueError(f"{c.weight_type} needs n_embd, n_ff and the heads' width to be multiples of {QUANT_BLOCK}")
 
 
-def write_tiny_model(path: str | os.PathLike[str], config: TinyConfig = TinyConfig()) -> Path:
-    """Write a random-weight GGUF model for ``config`` to ``path``; return the path."""
+def write_tiny_model(path: str | os.PathLike[str], config: TinyConfig = TinyConfig(), *, tiled: bool = False) -> Path:
+    """Write a random-weight GGUF model for ``config`` to ``path``; return the path. ``tiled``: its tensors
+    repeat one block of random values and are streamed (_TiledWeights), for models of real sizes."""
     _check(config)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(path, config.arch)
     _add_metadata(writer, config)
-    _add_tensors(_Weights(writer, config), config)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    if tiled:
+        weights = _TiledWeights(writer, config)
+        _add_tensors(weights, config)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        weights.declaring = False
+        _add_tensors(weights, config)
+    else:
+        _add_tensors(_Weights(writer, config), config)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
     writer.close()
     return path
 

@@ -14,7 +14,9 @@ Environment:
     SPECEE_CACHE       cache directory (default: ~/.cache/specee-edge)
 
 Run it with the interpreter of the target environment, e.g.
-``.venv/bin/python tools/build_runtime.py [--force | --print-key]``.
+``.venv/bin/python tools/build_runtime.py [--force | --print-key]``. On a machine with no network,
+``--sdist`` names a local sdist (tools/gpu_bundle.py makes a pruned one) and ``--target DIR`` installs
+with ``pip --target`` into a folder on PYTHONPATH rather than into the interpreter's environment.
 """
 
 import argparse
@@ -421,8 +423,8 @@ def cached_wheel(wheel_dir: Path) -> Path | None:
     return wheels[0] if wheels else None
 
 
-def build(cache: Path, key: str, cmake_args: str, patches: list[Path], force: bool) -> Path:
-    """Download, patch and build the runtime; return the cached wheel."""
+def build(cache: Path, key: str, cmake_args: str, patches: list[Path], force: bool, sdist: Path | None) -> Path:
+    """Download (unless ``sdist`` is given), patch and build the runtime; return the cached wheel."""
     short = key[:16]
     # A fixed source path per key lets an interrupted build resume in build_dir:
     # scikit-build-core discards a build dir whose recorded source dir differs.
@@ -430,8 +432,7 @@ def build(cache: Path, key: str, cmake_args: str, patches: list[Path], force: bo
     build_dir = cache / "build" / short
     if force:
         shutil.rmtree(build_dir, ignore_errors=True)
-    sdist = fetch_sdist(cache / "sdist")
-    source = extract_sdist(sdist, source_root)
+    source = extract_sdist(sdist or fetch_sdist(cache / "sdist"), source_root)
     try:
         keep_common_optional(source)
         copy_sources(source / "vendor" / "llama.cpp")
@@ -455,7 +456,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--print-key", action="store_true", help="print the build key and exit")
     mode.add_argument("--force", action="store_true", help="rebuild, ignoring cached wheels")
-    return parser.parse_args(argv)
+    parser.add_argument("--sdist", type=Path, help=f"build from this {DIST_NAME} {LLAMA_CPP_PYTHON_VERSION} sdist "
+                        "(a tarball, pruned or whole) instead of downloading it")
+    parser.add_argument("--target", type=Path, help="install into this folder (pip --target; put it on PYTHONPATH) "
+                        "instead of this interpreter's environment")
+    args = parser.parse_args(argv)
+    if args.sdist is not None and not args.sdist.is_file():
+        die(f"no sdist at {args.sdist}", 2)
+    return args
+
+
+def install_command(wheel: Path, target: Path | None) -> list[str]:
+    """pip's command line that installs ``wheel`` over any earlier llama-cpp-python, here or in ``target``."""
+    where = ["--target", str(target), "--upgrade"] if target else ["--force-reinstall"]
+    return [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", *where, str(wheel)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -468,17 +482,17 @@ def main(argv: list[str] | None = None) -> int:
         print(key)
         return 0
     short = key[:16]
+    if args.target is not None:
+        args.target.mkdir(parents=True, exist_ok=True)
+        sys.path.insert(0, str(args.target.resolve()))  # where the marker's checks look for llama_cpp
     if not args.force and installed_key() == key:
         print(f"patched runtime up to date ({short})")
         return 0
     cache = cache_root()
     wheel = None if args.force else cached_wheel(cache / "wheels" / short)
     if wheel is None:
-        wheel = build(cache, key, cmake_args, patches, args.force)
-    run_quiet(
-        [sys.executable, "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", str(wheel)],
-        f"installing {wheel.name}",
-    )
+        wheel = build(cache, key, cmake_args, patches, args.force, args.sdist)
+    run_quiet(install_command(wheel, args.target), f"installing {wheel.name}")
     write_marker(key)
     console.print(f"installed patched runtime ({short}, {len(patches)} patches)", highlight=False)
     return 0

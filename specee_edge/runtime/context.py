@@ -405,6 +405,11 @@ class Context:
         finally:
             _llama.llama_batch_free(batch)
 
+    def synchronize(self) -> None:
+        """Wait until the last decode or resume has run: on a GPU backend llama_decode returns once the graph is
+        queued (reading the logits waits too)."""
+        _llama.llama_synchronize(self._ctx)
+
     def resume(self) -> int | None:
         """Continue the last stopped token from the layer after its exit (probes still active)."""
         rc = C["llama_specee_resume"](self._ctx)

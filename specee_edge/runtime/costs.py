@@ -121,6 +121,7 @@ class CostLane:
     def step(self, token: int) -> None:
         start = time.perf_counter()
         self.ctx.decode([token])
+        self.ctx.synchronize()  # a GPU backend would return before the step has run
         seconds = time.perf_counter() - start
         self.timing.add(seconds)
         self.samples.append(self.ctx.step_info().draft_ms if self.in_graph_draft else seconds * 1e3)
@@ -348,9 +349,10 @@ def measure_costs(model_path: str | os.PathLike, setup: DraftSetup, answers: Seq
 
 def time_rounds(model_path: str | os.PathLike, make_lanes: Callable[[Model], list[CostLane]],
                 answers: Sequence[tuple[Sequence[int], int]], *, rounds: int, seed: int,
-                advance: Callable[[int], None] = lambda n: None) -> list[list[CostLane]]:
-    """Rounds of lanes (make_lanes' on a freshly loaded model each) that decoded `answers` in turns, timed after
-    a few untimed warm-up tokens (see measure_costs); their contexts are closed, their samples kept."""
+                advance: Callable[[int], None] = lambda n: None, n_gpu_layers: int = 0) -> list[list[CostLane]]:
+    """Rounds of lanes (make_lanes' on a freshly loaded model each, `n_gpu_layers` of its layers on the GPU) that
+    decoded `answers` in turns, timed after a few untimed warm-up tokens (see measure_costs); their contexts are
+    closed, their samples kept."""
     rng = np.random.default_rng(seed)
 
     def in_turns(lanes: list[CostLane], answers: Sequence[tuple[Sequence[int], int]], advance) -> None:
@@ -365,7 +367,7 @@ def time_rounds(model_path: str | os.PathLike, make_lanes: Callable[[Model], lis
     (first, n_first), *_ = answers
     timed = []
     for _ in range(rounds):
-        model = Model(model_path)
+        model = Model(model_path, n_gpu_layers=n_gpu_layers)
         lanes = []
         try:
             lanes = make_lanes(model)
