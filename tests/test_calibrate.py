@@ -13,6 +13,7 @@ from specee_edge.calibrate import CalibrateConfig, calibrate
 from specee_edge.calibrate.dataset import Dataset
 from specee_edge.calibrate.draft_fit import draft_vocabulary
 from specee_edge.calibrate.exact import speedup_of
+from specee_edge.calibrate.pipeline import interleaved
 from specee_edge.calibrate.temperature import fit_temperatures
 from specee_edge.data.prompts import bench_prompts, load_prompts, split
 from specee_edge.cli import app
@@ -264,3 +265,12 @@ def test_the_cost_lanes_time_the_draft_the_pack_holds(tmp_path, tiny_dir, monkey
                         or measure(model, setup, *a, **kw))
     config, _ = calibrate_tiny(tmp_path, tiny_model_path(tiny_dir, "llama", n_layer=6))
     assert timed == [read_pack(config.output).draft.quant]
+
+
+def test_answers_take_the_prompts_in_turns_from_each_category():
+    """A run shorter than one round of answers still answers every kind of prompt."""
+    prompts = load_prompts()
+    order = interleaved(prompts)
+    assert sorted(order) == list(range(len(prompts)))
+    categories = {prompt.category for prompt in prompts}
+    assert {prompts[i].category for i in order[: len(categories)]} == categories
