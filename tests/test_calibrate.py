@@ -274,3 +274,11 @@ def test_answers_take_the_prompts_in_turns_from_each_category():
     assert sorted(order) == list(range(len(prompts)))
     categories = {prompt.category for prompt in prompts}
     assert {prompts[i].category for i in order[: len(categories)]} == categories
+
+
+@pytest.mark.parametrize("args, message", [(["--minutes", "15", "--tokens", "1000"], "leave out --tokens"),
+                                           (["--minutes", "0"], "--minutes must be above 0")])
+def test_minutes_size_the_run_alone(tmp_path, args, message):
+    result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "model.gguf"), *args])
+    assert result.exit_code == 1
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
