@@ -167,6 +167,11 @@ class Calibration:
         self.shape, self.speed = shape, speed
         self.estimates = estimate(size, shape, speed)
         self.console.print(self._plan_table(size, cached_steps, lens_cached))
+        # the engine's and exact mode's work depends on how many levels exit, which the search decides
+        fewest, most = (sum(estimate(size, dataclasses.replace(shape, exiting=n), speed).values())
+                        for n in (0, len(config.levels)))
+        self.console.print(f"whole run between {clock(fewest)} (no level exits) and {clock(most)} (every level exits); "
+                           "the estimate is redone once the levels are chosen", highlight=False)
         if config.minutes is not None:
             total = sum(self.estimates.values())
             if total > 60 * config.minutes * 1.05:
@@ -270,7 +275,7 @@ class Calibration:
         with RunProgress(self.console, self.estimates) as progress:
             shards = self.collect(progress)
             ds = self.dataset(shards, weights, progress)
-            train_p, calib_p, test_p = split(int(ds.prompt.max()) + 1, config.seed, CALIBRATION_SPLIT)
+            train_p, calib_p, test_p = split_answered(ds.prompt, config.seed)
             train, calib, test = ds.rows(train_p), ds.rows(calib_p), ds.rows(test_p)
             # the candidates the engine will see: the prompt-lookup one first, then the draft head's
             lookup = dataset_stage.lookup_column(shards, config.lookup)
@@ -302,11 +307,11 @@ class Calibration:
                     search = LevelSearch(ds, probes, predictors, calib, costs, Schedule(offline=[]),
                                          1 - min(config.levels), fill=engine.kv_mode == "fill", progress=advance)
                     choices = choose_levels(search, config.levels, advance)
-                # now it is known how many levels exit: the engine's and exact mode's work follows from it
-                known = estimate(size_of(config), dataclasses.replace(
-                    self.shape, exiting=sum(choice.index > 0 for choice in choices)), self.speed)
-                for key in ("engine", "exact"):
-                    progress.refine(key, known[key])
+                    # now it is known how many levels exit: the engine's and exact mode's work follows from it
+                    known = estimate(size_of(config), dataclasses.replace(
+                        self.shape, exiting=sum(choice.index > 0 for choice in choices)), self.speed)
+                    for key in ("engine", "exact"):
+                        progress.refine(key, known[key])
 
                 # every decision on the calibration split: which levels pay, and the lossy default
                 with progress.stage("engine", "runs", None) as advance:
@@ -431,7 +436,7 @@ class Calibration:
         n_layer = ds.n_layer
         oracle = float(ds.oracle_exit()[test].mean())
         return CalibrationReport(
-            model=self.config.model.name, n_layer=n_layer, prompts=int(ds.prompt.max()) + 1, answers=len(shards),
+            model=self.config.model.name, n_layer=n_layer, prompts=len(np.unique(ds.prompt)), answers=len(shards),
             tokens=len(ds.token), train_tokens=len(train), draft=draft_report, layers=layers,
             levels=[LevelReport.of(*parts, n_layer) for parts in zip(choices, measured, shipped)],
             default_quality=quality if quality is not None else EXACT_QUALITY, costs=costs.to_dict(),
@@ -439,6 +444,14 @@ class Calibration:
             nll_raw=temperatures.nll_raw, nll_temperature=temperatures.nll_fitted, seconds=dict(self.seconds),
             exact=exact,
         )
+
+
+def split_answered(prompt_ids: np.ndarray, seed: int) -> list[np.ndarray]:
+    """The prompts that were answered (their ids, each row's), split three ways by CALIBRATION_SPLIT: a run shorter
+    than a round answers only some prompts, of every category. Where the first n prompts were answered, the split
+    of range(n)."""
+    answered = np.unique(prompt_ids)
+    return [answered[part] for part in split(len(answered), seed, CALIBRATION_SPLIT)]
 
 
 def interleaved(prompts: list[Prompt]) -> list[int]:
