@@ -31,8 +31,8 @@ from rich.table import Table
 from threadpoolctl import threadpool_limits
 
 from specee_edge.calibrate import dataset as dataset_stage
-from specee_edge.calibrate.budget import (COST_ANSWERS, COST_TOKENS, DEFAULT_SIZE, STAGES, RunShape, estimate,
-                                          fit_minutes, given_up, size_of, with_sizes)
+from specee_edge.calibrate.budget import (COST_ANSWERS, COST_TOKENS, DEFAULT_SIZE, STAGES, MachineSpeed, RunShape,
+                                          RunSize, estimate, fit_minutes, given_up, size_of, with_sizes)
 from specee_edge.calibrate.collect import Collector, Shard, round_sampling, shard_path
 from specee_edge.calibrate.draft_fit import DRAFT_RIDGE, fit_draft
 from specee_edge.calibrate.exact import ExactReport, choose_exact, prompt_tokens, with_exact
@@ -103,6 +103,9 @@ class Calibration:
         self.workdir = config.workdir or CACHE / self.target.fingerprint[:16]
         self.first_layer = config.first_layer or self.target.n_layer // 4
         self.greedy: list[Shard] = []
+        # set by plan(): what the run's work depends on, this machine's speed, each stage's estimated seconds
+        self.shape: RunShape | None = None
+        self.speed: MachineSpeed | None = None
         self.estimates: dict[str, float] = {}
         self._check_workdir()
 
@@ -180,7 +183,7 @@ class Calibration:
             for line in given_up(size, shape):
                 self.console.print(f"  gives up: {line}", highlight=False)
 
-    def _plan_table(self, size, cached_steps: int, lens_cached: bool) -> Table:
+    def _plan_table(self, size: RunSize, cached_steps: int, lens_cached: bool) -> Table:
         s = self.speed
         table = Table(title=f"calibration plan: {1 / s.plain_s:.1f} tokens/s plain, {1 / s.step_s:.1f} steps/s collecting, "
                             f"lens {s.lens_row_s * 1e3:.2f} ms a hidden state (measured here just now)")
@@ -192,7 +195,7 @@ class Calibration:
                 "costs": f"{size.cost_rounds} rounds x {COST_ANSWERS} answers x {COST_TOKENS} tokens",
                 "engine": f"replays of {size.replay_tokens:,} steps per level, {size.heldout_tokens:,} held out",
                 "exact": f"{size.exact_tokens} tokens x {self.config.exact_prompts} prompts per candidate"}
-        for (key, label), number in zip(STAGES, range(1, len(STAGES) + 1)):
+        for number, (key, label) in enumerate(STAGES, 1):
             table.add_row(f"{number} {label}", work.get(key, ""), clock(self.estimates[key]))
         table.add_row("whole run", "", clock(sum(self.estimates.values())), style="bold")
         return table
