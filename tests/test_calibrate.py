@@ -13,8 +13,9 @@ from specee_edge.calibrate import CalibrateConfig, calibrate
 from specee_edge.calibrate.dataset import Dataset
 from specee_edge.calibrate.draft_fit import draft_vocabulary
 from specee_edge.calibrate.exact import speedup_of
+from specee_edge.calibrate.pipeline import interleaved, split_answered
 from specee_edge.calibrate.temperature import fit_temperatures
-from specee_edge.data.prompts import bench_prompts, load_prompts, split
+from specee_edge.data.prompts import CALIBRATION_SPLIT, bench_prompts, load_prompts, split
 from specee_edge.cli import app
 from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.errors import SpecEEError
@@ -264,3 +265,29 @@ def test_the_cost_lanes_time_the_draft_the_pack_holds(tmp_path, tiny_dir, monkey
                         or measure(model, setup, *a, **kw))
     config, _ = calibrate_tiny(tmp_path, tiny_model_path(tiny_dir, "llama", n_layer=6))
     assert timed == [read_pack(config.output).draft.quant]
+
+
+def test_answers_take_the_prompts_in_turns_from_each_category():
+    """A run shorter than one round of answers still answers every kind of prompt."""
+    prompts = load_prompts()
+    order = interleaved(prompts)
+    assert sorted(order) == list(range(len(prompts)))
+    categories = {prompt.category for prompt in prompts}
+    assert {prompts[i].category for i in order[: len(categories)]} == categories
+
+
+@pytest.mark.parametrize("args, message", [(["--minutes", "15", "--tokens", "1000"], "leave out --tokens"),
+                                           (["--minutes", "0"], "--minutes must be above 0")])
+def test_minutes_size_the_run_alone(tmp_path, args, message):
+    result = CliRunner().invoke(app, ["calibrate", str(tmp_path / "model.gguf"), *args])
+    assert result.exit_code == 1
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_the_split_is_over_the_prompts_answered():
+    everyone = np.repeat(np.arange(40), 3)
+    assert all(np.array_equal(a, b) for a, b in zip(split_answered(everyone, 0), split(40, 0, CALIBRATION_SPLIT)))
+    some = np.array(interleaved(load_prompts())[:20])  # a short run: 20 prompts, of every category
+    parts = split_answered(np.repeat(some, 2), 0)
+    assert sorted(np.concatenate(parts).tolist()) == sorted(some.tolist())
+    assert [len(part) for part in parts] == [12, 4, 4]

@@ -47,6 +47,12 @@ class Shard:
     def steps(self) -> int:
         return len(self.hidden) - 1
 
+    @staticmethod
+    def steps_in(path: Path) -> int:
+        """The steps of a saved answer, without reading its hidden states (one final top-1 per step)."""
+        with np.load(path) as z:
+            return len(z["final_top1"])
+
 
 def shard_path(workdir: Path, round_: int, index: int) -> Path:
     return workdir / "collect" / f"round{round_}_prompt{index:04d}.npz"

@@ -9,13 +9,16 @@ agreement the low end of its held-out interval reaches.
 
 Collection, the lens and the predictors keep their results in the work directory; a rerun with the
 same settings skips them (collection resumes prompt by prompt).
+
+Before any of it, `plan` times a few units of the run's work on this machine (speed.py), prints what each stage
+should take (budget.py), and with `minutes` first sizes the run to fit.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import time
+import os
 import dataclasses
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -24,20 +27,24 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
 from threadpoolctl import threadpool_limits
 
 from specee_edge.calibrate import dataset as dataset_stage
+from specee_edge.calibrate.budget import (COST_ANSWERS, COST_TOKENS, DEFAULT_SIZE, STAGES, MachineSpeed, RunShape,
+                                          RunSize, estimate, fit_minutes, given_up, size_of, with_sizes)
 from specee_edge.calibrate.collect import Collector, Shard, round_sampling, shard_path
 from specee_edge.calibrate.draft_fit import DRAFT_RIDGE, fit_draft
 from specee_edge.calibrate.exact import ExactReport, choose_exact, prompt_tokens, with_exact
 from specee_edge.calibrate.levels import (LEVELS, LevelChoice, LevelSearch, check_with_engine, choose_levels,
                                           keep_promises, pays, shipped_quality, turned_off)
 from specee_edge.calibrate.predictor_fit import Probes, layer_features, probe_all, simulate, train_predictors
+from specee_edge.calibrate.progress import RunProgress, clock
 from specee_edge.calibrate.replay import identical_answers, pick_answers, replay
 from specee_edge.calibrate.report import CalibrationReport, LayerReport, LevelReport
+from specee_edge.calibrate.speed import measure_speed
 from specee_edge.calibrate.temperature import fit_temperatures
-from specee_edge.data.prompts import CALIBRATION_SPLIT, load_prompts, split
+from specee_edge.data.prompts import CALIBRATION_SPLIT, Prompt, load_prompts, split
 from specee_edge.draft import LinearDraft
 from specee_edge.draft.lookup import LOOKUP_MAX_N
 from specee_edge.engine import Engine, EngineConfig
@@ -47,20 +54,17 @@ from specee_edge.pack.format import EXACT_QUALITY, IDENTICAL_FLOOR, DraftHead
 from specee_edge.pack.convert import predictors_from_npz, predictors_to_npz
 from specee_edge.predictor import MLPPredictor
 from specee_edge.runtime import Model
-from specee_edge.runtime.costs import ROUNDS, DraftSetup, TokenCosts, measure_costs
+from specee_edge.runtime.costs import DraftSetup, TokenCosts, measure_costs
 from specee_edge.runtime.weights import TargetWeights
 from specee_edge.threads import default_threads
 
 CACHE = Path.home() / ".cache" / "specee-edge" / "calibrate"
 COLLECTION = 2  # how answers are collected: a work dir from another version is not reused
 MAX_ROUNDS = 16  # answers per prompt at most (the first greedy, the others sampled)
-STEPS = 9  # the stages, for the progress bars
 # the lossy default, unless --quality names one: the fastest whose agreement on the calibration split reaches AGREEMENT_FLOOR
 # and, for models that chat, whose greedy answers to code prompts stay identical to the full model's in at
 # least IDENTICAL_FLOOR of them (one wrong token can break a program)
 AGREEMENT_FLOOR = 0.98
-COST_ANSWERS = 3  # calibration-split greedy answers the cost lanes decode ...
-COST_TOKENS = 32  # ... steps of each, in each of the cost rounds
 
 
 @dataclass
@@ -68,7 +72,7 @@ class CalibrateConfig:
     model: Path
     output: Path
     workdir: Path | None = None
-    tokens: int = 65000       # answer tokens (steps) to collect
+    tokens: int = DEFAULT_SIZE.tokens  # answer tokens (steps) to collect
     prompts: Path | None = None
     k: int = 4
     threads: int = field(default_factory=default_threads)
@@ -80,19 +84,15 @@ class CalibrateConfig:
     hidden: int = 512         # predictor MLP width
     levels: tuple[float, ...] = LEVELS  # agreement targets, one set of exits each
     quality: float | None = None        # the default level (one of `levels`); None: chosen by the floors above
-    replay_tokens: int = 2000           # calibration-split steps the engine replays per candidate level
-    heldout_tokens: int = 4000          # test-split steps behind each level's stored agreement
-    identical_tokens: int = 64          # tokens of each held-out greedy answer compared with the full model's
+    replay_tokens: int = DEFAULT_SIZE.replay_tokens  # calibration-split steps the engine replays per candidate level
+    heldout_tokens: int = DEFAULT_SIZE.heldout_tokens  # test-split steps behind each level's stored agreement
+    identical_tokens: int = DEFAULT_SIZE.identical_tokens  # tokens of each held-out greedy answer compared with the full model's
     exact_prompts: int = 4              # prompts per split that exact mode's candidates decode (calibration, held out)
-    exact_tokens: int = 48              # ... tokens each
+    exact_tokens: int = DEFAULT_SIZE.exact_tokens  # ... tokens each
+    cost_rounds: int = DEFAULT_SIZE.cost_rounds  # rounds of the cost lanes, each on a freshly loaded model
+    minutes: float | None = None        # size the run (the sizes above but the prompts) to take about this long
     first_layer: int = 0      # no predictor below it; 0: n_layer // 4 (shallow layers hardly ever agree)
     command: str = ""
-
-
-def progress_bar(console: Console) -> Progress:
-    # auto_refresh=False: a refresh thread contends for the GIL with the decode loop
-    return Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=console, auto_refresh=False)
 
 
 class Calibration:
@@ -102,8 +102,11 @@ class Calibration:
         self.target = target_identity(config.model)
         self.workdir = config.workdir or CACHE / self.target.fingerprint[:16]
         self.first_layer = config.first_layer or self.target.n_layer // 4
-        self.seconds: dict[str, float] = {}
         self.greedy: list[Shard] = []
+        # set by plan(): what the run's work depends on, this machine's speed, each stage's estimated seconds
+        self.shape: RunShape | None = None
+        self.speed: MachineSpeed | None = None
+        self.estimates: dict[str, float] = {}
         self._check_workdir()
 
     def _check_workdir(self) -> None:
@@ -119,58 +122,124 @@ class Calibration:
 
     # --- stages ------------------------------------------------------------------------------
 
-    def collect(self, progress: Progress) -> list[Shard]:
+    def _answers(self, prompts: list[Prompt]):
+        """(round, prompt index, prompt) in the order answers are collected: round by round, each round taking the
+        prompts in turns from each category, so that a run shorter than a round still answers every kind."""
+        order = interleaved(prompts)
+        return ((round_, index, prompts[index]) for round_ in range(MAX_ROUNDS) for index in order)
+
+    def cached(self, prompts: list[Prompt]) -> tuple[int, bool]:
+        """(answer steps the work dir already holds, in collection order up to `tokens`; whether the lens of exactly
+        the answers the run will use is there too)."""
+        steps, n_shards = 0, 0
+        for round_, index, _ in self._answers(prompts):
+            path = shard_path(self.workdir, round_, index)
+            if steps >= self.config.tokens or not path.exists():
+                break
+            steps += Shard.steps_in(path)
+            n_shards += 1
+        complete = steps >= self.config.tokens
+        return steps, complete and self.dataset_path(n_shards).exists()
+
+    def dataset_path(self, n_shards: int) -> Path:
+        return self.workdir / f"dataset-{n_shards}-from{self.first_layer}.npz"
+
+    def plan(self, weights: TargetWeights, prompts: list[Prompt]) -> None:
+        """Times this machine, sizes the run where `minutes` asks (replacing the config's sizes), and prints what
+        each stage should take (self.estimates)."""
+        config = self.config
+        self.console.print(f"timing this machine on {config.model.name} ...", highlight=False)
+        speed = measure_speed(config.model, weights, prompts[0], threads=config.threads)
+        load = os.getloadavg()[0]
+        if load > os.cpu_count():
+            self.console.print(f"[yellow]this machine is busy (load average {load:.1f} on {os.cpu_count()} cores): the "
+                               "estimate holds while the load does, and with fewer threads (-t) llama.cpp's threads "
+                               "wait less for each other[/yellow]", highlight=False)
+        cached_steps, lens_cached = self.cached(prompts)
+        shape = RunShape(n_layer=self.target.n_layer, first_layer=self.first_layer, n_embd=weights.lm_head.shape[1],
+                         n_vocab=weights.lm_head.shape[0], draft_vocab=config.draft_vocab, levels=len(config.levels),
+                         lookup=config.lookup > 0, prompts=len(prompts),
+                         code_share=sum(p.category == "code" for p in prompts) / len(prompts),
+                         max_answer=config.max_answer, exact_prompts=config.exact_prompts,
+                         cached_steps=cached_steps, lens_cached=lens_cached)
+        if config.minutes is not None:
+            self.config = config = with_sizes(config, fit_minutes(config.minutes, shape, speed))
+            cached_steps, lens_cached = self.cached(prompts)
+            shape = dataclasses.replace(shape, cached_steps=cached_steps, lens_cached=lens_cached)
+        size = size_of(config)
+        self.shape, self.speed = shape, speed
+        self.estimates = estimate(size, shape, speed)
+        self.console.print(self._plan_table(size, cached_steps, lens_cached))
+        # the engine's and exact mode's work depends on how many levels exit, which the search decides
+        fewest, most = (sum(estimate(size, dataclasses.replace(shape, exiting=n), speed).values())
+                        for n in (0, len(config.levels)))
+        self.console.print(f"whole run between {clock(fewest)} (no level exits) and {clock(most)} (every level exits); "
+                           "the estimate is redone once the levels are chosen", highlight=False)
+        if config.minutes is not None:
+            total = sum(self.estimates.values())
+            if total > 60 * config.minutes * 1.05:
+                self.console.print(f"[yellow]even the smallest run takes about {clock(total)} here, more than "
+                                   f"{config.minutes:g} minutes[/yellow]", highlight=False)
+            for line in given_up(size, shape):
+                self.console.print(f"  gives up: {line}", highlight=False)
+
+    def _plan_table(self, size: RunSize, cached_steps: int, lens_cached: bool) -> Table:
+        s = self.speed
+        table = Table(title=f"calibration plan: {1 / s.plain_s:.1f} tokens/s plain, {1 / s.step_s:.1f} steps/s collecting, "
+                            f"lens {s.lens_row_s * 1e3:.2f} ms a hidden state (measured here just now)")
+        table.add_column("stage")
+        table.add_column("work")
+        table.add_column("estimated", justify="right")
+        work = {"answers": f"{size.tokens:,} answer steps" + (f" ({cached_steps:,} in the work dir)" if cached_steps else ""),
+                "lens": "in the work dir" if lens_cached else f"{size.tokens:,} steps x {self.shape.predictor_layers} layers",
+                "costs": f"{size.cost_rounds} rounds x {COST_ANSWERS} answers x {COST_TOKENS} tokens",
+                "engine": f"replays of {size.replay_tokens:,} steps per level, {size.heldout_tokens:,} held out",
+                "exact": f"{size.exact_tokens} tokens x {self.config.exact_prompts} prompts per candidate"}
+        for number, (key, label) in enumerate(STAGES, 1):
+            table.add_row(f"{number} {label}", work.get(key, ""), clock(self.estimates[key]))
+        table.add_row("whole run", "", clock(sum(self.estimates.values())), style="bold")
+        return table
+
+    def collect(self, progress: RunProgress) -> list[Shard]:
         """Answers until `tokens` steps: every prompt greedily, then again with sampling, round by round
         (self.greedy: the first round's, the full model's greedy answers)."""
         prompts = load_prompts(self.config.prompts)
-        task = progress.add_task(f"1/{STEPS} answers (tokens)", total=self.config.tokens)
         shards: list[Shard] = []
         steps = 0
         collector = None
-        t0 = time.perf_counter()
-        answers = ((round_, index, prompt) for round_ in range(MAX_ROUNDS) for index, prompt in enumerate(prompts))
-        try:
-            for round_, index, prompt in answers:
-                if steps >= self.config.tokens:
-                    break
-                path = shard_path(self.workdir, round_, index)
-                if path.exists():
-                    shard = Shard.load(path)
-                else:
-                    collector = collector or Collector(self.config.model, n_threads=self.config.threads,
-                                                       max_answer=self.config.max_answer)
-                    with threadpool_limits(limits=1, user_api="blas"):  # numpy's threads would fight the decode's
-                        shard = collector.answer(index, prompt, round_sampling(round_, index))
-                    shard.save(path)
-                shards.append(shard)
-                if round_ == 0:
-                    self.greedy.append(shard)
-                steps += shard.steps
-                progress.update(task, advance=shard.steps)
-                progress.refresh()
-        finally:
-            if collector:
-                collector.close()
-        self.seconds["answers"] = time.perf_counter() - t0
+        with progress.stage("answers", "steps", self.config.tokens) as advance:
+            try:
+                for round_, index, prompt in self._answers(prompts):
+                    if steps >= self.config.tokens:
+                        break
+                    path = shard_path(self.workdir, round_, index)
+                    if path.exists():
+                        shard = Shard.load(path)
+                    else:
+                        collector = collector or Collector(self.config.model, n_threads=self.config.threads,
+                                                           max_answer=self.config.max_answer)
+                        with threadpool_limits(limits=1, user_api="blas"):  # numpy's threads would fight the decode's
+                            shard = collector.answer(index, prompt, round_sampling(round_, index))
+                        shard.save(path)
+                    shards.append(shard)
+                    if round_ == 0:
+                        self.greedy.append(shard)
+                    steps += shard.steps
+                    advance(shard.steps)
+            finally:
+                if collector:
+                    collector.close()
         if len(shards) < 5:
             raise SpecEEError(f"only {len(shards)} answers: calibration needs at least 5 (more --tokens or prompts)")
         return shards
 
-    def dataset(self, shards: list[Shard], weights: TargetWeights, progress: Progress) -> dataset_stage.Dataset:
-        path = self.workdir / f"dataset-{len(shards)}-from{self.first_layer}.npz"
-        t0 = time.perf_counter()
-        if path.exists():
-            ds = dataset_stage.load(path)
-        else:
-            task = progress.add_task(f"2/{STEPS} logit lens (steps)", total=sum(len(s.hidden) for s in shards))
-
-            def advance(n: float) -> None:
-                progress.update(task, advance=n)
-                progress.refresh()
-
+    def dataset(self, shards: list[Shard], weights: TargetWeights, progress: RunProgress) -> dataset_stage.Dataset:
+        path = self.dataset_path(len(shards))
+        with progress.stage("lens", "steps", sum(len(s.hidden) for s in shards)) as advance:
+            if path.exists():
+                return dataset_stage.load(path)
             ds = dataset_stage.build(shards, weights, self.first_layer, advance)
             dataset_stage.save(ds, path)
-        self.seconds["lens"] = time.perf_counter() - t0
         return ds
 
     def settings_key(self, n_shards: int, head: DraftHead) -> str:
@@ -199,92 +268,81 @@ class Calibration:
         timed = [(shard.tokens[: shard.start + 1 + COST_TOKENS].tolist(), shard.start + 1) for shard in answers]
         with threadpool_limits(limits=1, user_api="blas"):
             return measure_costs(self.config.model, setup, timed, n_threads=self.config.threads, k=self.config.k,
-                                 seed=self.config.seed, advance=advance)
+                                 rounds=self.config.cost_rounds, seed=self.config.seed, advance=advance)
 
     def run(self) -> tuple[Pack, CalibrationReport]:
+        weights = TargetWeights(self.config.model)
+        prompts = load_prompts(self.config.prompts)
+        self.plan(weights, prompts)
         config = self.config
-        weights = TargetWeights(config.model)
-        prompts = load_prompts(config.prompts)
-        with progress_bar(self.console) as progress:
-            def stage(name: str, total: float | None):
-                task = progress.add_task(f"{len(progress.tasks) + 1}/{STEPS} {name}", total=total)
-
-                def advance(*_) -> None:
-                    progress.update(task, advance=1)
-                    progress.refresh()
-                return advance
-
+        with RunProgress(self.console, self.estimates) as progress:
             shards = self.collect(progress)
             ds = self.dataset(shards, weights, progress)
-            train_p, calib_p, test_p = split(int(ds.prompt.max()) + 1, config.seed, CALIBRATION_SPLIT)
+            train_p, calib_p, test_p = split_answered(ds.prompt, config.seed)
             train, calib, test = ds.rows(train_p), ds.rows(calib_p), ds.rows(test_p)
             # the candidates the engine will see: the prompt-lookup one first, then the draft head's
             lookup = dataset_stage.lookup_column(shards, config.lookup)
             categories = np.array([prompts[p].category for p in ds.prompt.tolist()])
 
-            advance = stage("draft head", 1)
-            t0 = time.perf_counter()
-            head, draft_report = fit_draft(ds, weights, train, test, k=config.k, vocab=config.draft_vocab,
-                                           lookup=lookup, categories=categories,
-                                           eog_tokens=Model(config.model).eog_tokens(), ridge=config.draft_ridge)
-            draft = LinearDraft(head, weights, config.k)
-            self.seconds["draft"] = time.perf_counter() - t0
-            advance()
+            with progress.stage("draft", "", 1) as advance:
+                head, draft_report = fit_draft(ds, weights, train, test, k=config.k, vocab=config.draft_vocab,
+                                               lookup=lookup, categories=categories,
+                                               eog_tokens=Model(config.model).eog_tokens(), ridge=config.draft_ridge)
+                draft = LinearDraft(head, weights, config.k)
+                advance()
 
-            advance = stage("predictors (layers)", self.target.n_layer - self.first_layer)
-            t0 = time.perf_counter()
-            probes = probe_all(ds, draft, weights, lookup)
-            predictors = self.predictors(probes, train, len(shards), head, advance)
-            self.seconds["predictors"] = time.perf_counter() - t0
+            with progress.stage("predictors", "layers", self.target.n_layer - self.first_layer) as advance:
+                probes = probe_all(ds, draft, weights, lookup)
+                predictors = self.predictors(probes, train, len(shards), head, advance)
 
             calib_greedy = [shard for shard in self.greedy if shard.prompt in calib_p]
             heldout_greedy = [shard for shard in self.greedy if shard.prompt in test_p]
             cost_answers = (calib_greedy or self.greedy)[:COST_ANSWERS]
-            advance = stage("costs on this machine (steps)",
-                            ROUNDS * sum(min(COST_TOKENS, shard.steps) for shard in cost_answers))
-            t0 = time.perf_counter()
-            costs = self.costs(draft, predictors[max(predictors)], cost_answers, advance)
-            self.seconds["costs"] = time.perf_counter() - t0
+            cost_steps = config.cost_rounds * sum(min(COST_TOKENS, shard.steps) for shard in cost_answers)
+            with progress.stage("costs", "steps", cost_steps) as advance:
+                costs = self.costs(draft, predictors[max(predictors)], cost_answers, advance)
 
             provisional = self.workdir / "provisional.specee.gguf"
             write_pack(provisional, self._pack(head, predictors, [], {}, None, {}))
             engine = Engine(config.model, pack=provisional, config=EngineConfig(n_ctx=2048, n_threads=config.threads))
             try:
-                advance = stage("quality levels (moves)", None)
-                t0 = time.perf_counter()
-                search = LevelSearch(ds, probes, predictors, calib, costs, Schedule(offline=[]), 1 - min(config.levels),
-                                     fill=engine.kv_mode == "fill", progress=advance)
-                choices = choose_levels(search, config.levels, advance)
-                self.seconds["levels"] = time.perf_counter() - t0
+                with progress.stage("levels", "moves", None) as advance:
+                    search = LevelSearch(ds, probes, predictors, calib, costs, Schedule(offline=[]),
+                                         1 - min(config.levels), fill=engine.kv_mode == "fill", progress=advance)
+                    choices = choose_levels(search, config.levels, advance)
+                    # now it is known how many levels exit: the engine's and exact mode's work follows from it
+                    known = estimate(size_of(config), dataclasses.replace(
+                        self.shape, exiting=sum(choice.index > 0 for choice in choices)), self.speed)
+                    for key in ("engine", "exact"):
+                        progress.refine(key, known[key])
 
                 # every decision on the calibration split: which levels pay, and the lossy default
-                advance = stage("levels in the engine (runs)", None)
-                t0 = time.perf_counter()
-                calib_answers = pick_answers(shards, calib_p, config.replay_tokens)
-                choices = check_with_engine(search, choices, lambda level: replay(engine, level, calib_answers, costs),
-                                            progress=advance)
-                chosen = [choice.level if pays(choice.engine) else turned_off(choice.level) for choice in choices]
-                code_matters = engine.prompting == "chat" and any(prompts[s.prompt].category == "code" for s in self.greedy)
-                lossy_index = self._default_index(engine, chosen, choices, calib_greedy, prompts, code_matters)
+                with progress.stage("engine", "runs", None) as advance:
+                    calib_answers = pick_answers(shards, calib_p, config.replay_tokens)
+                    choices = check_with_engine(search, choices,
+                                                lambda level: replay(engine, level, calib_answers, costs),
+                                                progress=advance)
+                    chosen = [choice.level if pays(choice.engine) else turned_off(choice.level) for choice in choices]
+                    code_matters = engine.prompting == "chat" and any(prompts[s.prompt].category == "code"
+                                                                      for s in self.greedy)
+                    lossy_index = self._default_index(engine, chosen, choices, calib_greedy, prompts, code_matters)
 
-                # then the held-out prompts, for the figures alone
-                test_answers = pick_answers(shards, test_p, config.heldout_tokens)
-                code = np.array([prompts[shard.prompt].category == "code" for shard in heldout_greedy])
-                measured = []
-                for level in chosen:
-                    measured.append(self._held_out(engine, level, test_answers, heldout_greedy, code, costs))
-                    advance()
-                kv_mode = engine.kv_mode
-                self.seconds["engine"] = time.perf_counter() - t0
+                    # then the held-out prompts, for the figures alone
+                    test_answers = pick_answers(shards, test_p, config.heldout_tokens)
+                    code = np.array([prompts[shard.prompt].category == "code" for shard in heldout_greedy])
+                    measured = []
+                    for level in chosen:
+                        measured.append(self._held_out(engine, level, test_answers, heldout_greedy, code, costs))
+                        advance()
+                    kv_mode = engine.kv_mode
 
-                advance = stage("exact mode (runs)", None)
-                t0 = time.perf_counter()
-                as_tokens = lambda part: prompt_tokens(engine, prompts, part, config.exact_prompts)  # noqa: E731
-                # drafts are checked, so a level's exits may pay as drafts where they did not as answers: the
-                # candidates are the levels as chosen, before the ones that did not pay were turned off
-                exact, exact_report = choose_exact(engine, [choice.level for choice in choices], as_tokens(calib_p),
-                                                   as_tokens(test_p), config.exact_tokens, advance)
-                self.seconds["exact"] = time.perf_counter() - t0
+                with progress.stage("exact", "runs", None) as advance:
+                    as_tokens = lambda part: prompt_tokens(engine, prompts, part, config.exact_prompts)  # noqa: E731
+                    # drafts are checked, so a level's exits may pay as drafts where they did not as answers: the
+                    # candidates are the levels as chosen, before the ones that did not pay were turned off
+                    exact, exact_report = choose_exact(engine, [choice.level for choice in choices],
+                                                       as_tokens(calib_p), as_tokens(test_p), config.exact_tokens,
+                                                       advance)
             finally:
                 engine.close()
 
@@ -294,13 +352,15 @@ class Calibration:
             # the lossy default (what --quality picks among the lossy levels) sets the temperatures; the pack's
             # default is exact mode unless --quality names a lossy level
             lossy_quality = shipped_quality(shipped, lossy_index)
-            advance = stage("temperatures (layers)", len(predictors))
-            t0 = time.perf_counter()
-            exits = chosen[lossy_index].exits
-            calib_rows = simulate(ds, probes, predictors, exits, calib, None).exit_rows()
-            test_rows = simulate(ds, probes, predictors, exits, test, None).exit_rows()
-            temperatures = fit_temperatures(ds, weights, sorted(predictors), calib_rows, test_rows, config.seed, advance)
-            self.seconds["temperatures"] = time.perf_counter() - t0
+            with progress.stage("temperatures", "layers", len(predictors)) as advance:
+                exits = chosen[lossy_index].exits
+                calib_rows = simulate(ds, probes, predictors, exits, calib, None).exit_rows()
+                test_rows = simulate(ds, probes, predictors, exits, test, None).exit_rows()
+                temperatures = fit_temperatures(ds, weights, sorted(predictors), calib_rows, test_rows, config.seed,
+                                                advance)
+            self.seconds = progress.seconds
+        self.console.print(f"calibration took {clock(sum(self.seconds.values()))} (estimated "
+                           f"{clock(sum(self.estimates.values()))} before it started)", highlight=False)
 
         report = self._report(ds, shards, train, test, draft_report, probes, predictors, choices, measured, shipped,
                               chosen[lossy_index], lossy_quality, temperatures, costs, exact_report)
@@ -379,7 +439,7 @@ class Calibration:
         n_layer = ds.n_layer
         oracle = float(ds.oracle_exit()[test].mean())
         return CalibrationReport(
-            model=self.config.model.name, n_layer=n_layer, prompts=int(ds.prompt.max()) + 1, answers=len(shards),
+            model=self.config.model.name, n_layer=n_layer, prompts=len(np.unique(ds.prompt)), answers=len(shards),
             tokens=len(ds.token), train_tokens=len(train), draft=draft_report, layers=layers,
             levels=[LevelReport.of(*parts, n_layer) for parts in zip(choices, measured, shipped)],
             default_quality=quality if quality is not None else EXACT_QUALITY, costs=costs.to_dict(),
@@ -387,6 +447,24 @@ class Calibration:
             nll_raw=temperatures.nll_raw, nll_temperature=temperatures.nll_fitted, seconds=dict(self.seconds),
             exact=exact,
         )
+
+
+def split_answered(prompt_ids: np.ndarray, seed: int) -> list[np.ndarray]:
+    """The prompts that were answered (their ids, each row's), split three ways by CALIBRATION_SPLIT: a run shorter
+    than a round answers only some prompts, of every category. Where the first n prompts were answered, the split
+    of range(n)."""
+    answered = np.unique(prompt_ids)
+    return [answered[part] for part in split(len(answered), seed, CALIBRATION_SPLIT)]
+
+
+def interleaved(prompts: list[Prompt]) -> list[int]:
+    """The prompts' indices taken in turns from each category (in the order categories first appear), each
+    category's in file order."""
+    by_category: dict[str, list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        by_category.setdefault(prompt.category, []).append(index)
+    columns = list(by_category.values())
+    return [column[i] for i in range(max(map(len, columns))) for column in columns if i < len(column)]
 
 
 def default_quality(levels: list[QualityLevel], *, code_matters: bool) -> float:

@@ -16,16 +16,17 @@ from specee_edge.errors import SpecEEError
 def calibrate(
     model: Annotated[str, typer.Argument(help="model GGUF (or a registry name from `specee-edge pull --list`)")],
     output: Annotated[Path | None, typer.Option("-o", "--output", help="pack to write [default: MODEL.specee.gguf beside the model]")] = None,
-    tokens: Annotated[int, typer.Option("--tokens", help="answer tokens to collect")] = 65000,
+    tokens: Annotated[int | None, typer.Option("--tokens", help="answer tokens to collect [default: 65000]")] = None,
+    minutes: Annotated[float | None, typer.Option("--minutes", help="size the run (answer tokens and the later stages) to take about this many minutes on this machine, and say what the smaller run gives up")] = None,
     prompts: Annotated[Path | None, typer.Option("--prompts", help="JSONL prompts ({\"prompt\": ...}) instead of the built-in set")] = None,
     k: Annotated[int, typer.Option("--k", help="draft candidates per token")] = 4,
     threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads")] = None,
     seed: Annotated[int, typer.Option("-s", "--seed", help="seed of the splits and the MLPs")] = 0,
     levels: Annotated[str, typer.Option("--levels", help="quality levels: the agreements with the full model to aim for, comma-separated (each ships under the agreement the low end of its held-out 95% interval reaches)")] = "0.9,0.95,0.98,0.99,0.995",
     quality: Annotated[float | None, typer.Option("--quality", help="make a lossy level the pack's default (one of --levels; it keeps the name it ships under) [default: exact mode]")] = None,
-    replay_tokens: Annotated[int, typer.Option("--replay-tokens", help="steps the engine replays to check each level (on the prompts its exits were chosen on)")] = 2000,
-    heldout_tokens: Annotated[int, typer.Option("--heldout-tokens", help="steps behind each level's stored agreement (prompts nothing was chosen on)")] = 4000,
-    identical_tokens: Annotated[int, typer.Option("--identical-tokens", help="tokens of each held-out greedy answer compared with the full model's")] = 64,
+    replay_tokens: Annotated[int | None, typer.Option("--replay-tokens", help="steps the engine replays to check each level (on the prompts its exits were chosen on) [default: 2000]")] = None,
+    heldout_tokens: Annotated[int | None, typer.Option("--heldout-tokens", help="steps behind each level's stored agreement (prompts nothing was chosen on) [default: 4000]")] = None,
+    identical_tokens: Annotated[int | None, typer.Option("--identical-tokens", help="tokens of each held-out greedy answer compared with the full model's [default: 64]")] = None,
     draft_vocab: Annotated[int, typer.Option("--draft-vocab", help="tokens the draft head scores")] = 4096,
     draft_ridge: Annotated[float, typer.Option("--draft-ridge", help="the draft head's ridge penalty per 1,000 rows")] = 0.1,
     lookup: Annotated[int, typer.Option("--lookup", help="prompt lookup: the longest n-gram matched in the context (0: off)")] = 4,
@@ -38,11 +39,21 @@ def calibrate(
     layer's exit (off, verified or head-free) and threshold, priced by what each part costs on this machine."""
     from specee_edge.calibrate import CalibrateConfig
     from specee_edge.calibrate import calibrate as run_calibration
+    from specee_edge.calibrate.budget import DEFAULT_SIZE
     from specee_edge.engine.exit import PACK_SUFFIX
     from specee_edge.pull import resolve_model
     from specee_edge.threads import default_threads
 
     try:
+        sizes = {"--tokens": tokens, "--replay-tokens": replay_tokens, "--heldout-tokens": heldout_tokens,
+                 "--identical-tokens": identical_tokens}
+        if minutes is not None and (minutes <= 0 or any(v is not None for v in sizes.values())):
+            given = ", ".join(name for name, v in sizes.items() if v is not None)
+            raise SpecEEError(f"--minutes sizes the run itself: leave out {given}" if given else "--minutes must be above 0")
+        tokens = DEFAULT_SIZE.tokens if tokens is None else tokens
+        replay_tokens = DEFAULT_SIZE.replay_tokens if replay_tokens is None else replay_tokens
+        heldout_tokens = DEFAULT_SIZE.heldout_tokens if heldout_tokens is None else heldout_tokens
+        identical_tokens = DEFAULT_SIZE.identical_tokens if identical_tokens is None else identical_tokens
         model_path = resolve_model(model)
         try:
             level_list = tuple(sorted({float(q) for q in levels.split(",")}))
@@ -62,7 +73,7 @@ def calibrate(
             model=model_path, output=output, workdir=work_dir, tokens=tokens, prompts=prompts, k=k,
             threads=threads or default_threads(), seed=seed, max_answer=max_answer, draft_vocab=draft_vocab,
             levels=level_list, quality=quality, replay_tokens=replay_tokens, heldout_tokens=heldout_tokens,
-            identical_tokens=identical_tokens, lookup=lookup, draft_ridge=draft_ridge,
+            identical_tokens=identical_tokens, lookup=lookup, draft_ridge=draft_ridge, minutes=minutes,
             command=" ".join(["specee-edge", *sys.argv[1:]]),
         )
         report = run_calibration(config, err_console)

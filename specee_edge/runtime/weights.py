@@ -95,9 +95,18 @@ def lens_top1(hidden: np.ndarray, weights: TargetWeights, progress: Callable[[in
     (a soft-cap, being monotone, leaves it unchanged)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     out = np.empty(len(flat), dtype=np.int32)
-    head_t = np.ascontiguousarray(weights.lm_head.T)
+    head_t = lens_head(weights)
     for i in range(0, len(flat), LENS_ROWS):
-        chunk = weights.final_norm(flat[i : i + LENS_ROWS].astype(np.float32))
-        out[i : i + LENS_ROWS] = np.argmax(chunk @ head_t, axis=1)
-        progress(len(chunk))
+        out[i : i + LENS_ROWS] = lens_chunk(flat[i : i + LENS_ROWS], weights, head_t)
+        progress(min(LENS_ROWS, len(flat) - i))
     return out.reshape(hidden.shape[:-1])
+
+
+def lens_head(weights: TargetWeights) -> np.ndarray:
+    """The LM head transposed, [n_embd, n_vocab], as the lens multiplies by it (one copy per lens_top1 call)."""
+    return np.ascontiguousarray(weights.lm_head.T)
+
+
+def lens_chunk(hidden: np.ndarray, weights: TargetWeights, head_t: np.ndarray) -> np.ndarray:
+    """The lens's top-1 of up to LENS_ROWS hidden states [rows, n_embd] (head_t: lens_head's)."""
+    return np.argmax(weights.final_norm(hidden.astype(np.float32)) @ head_t, axis=1).astype(np.int32)
