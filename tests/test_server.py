@@ -354,6 +354,8 @@ def test_logprobs_come_from_the_full_distribution(some_server: Server, stream: b
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": "x" * 2000}).encode(), 400, "at most 4 stop"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": -100}}).encode(), 400,
      "outside the vocabulary"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"-1": 5}}).encode(), 400,
+     "logit_bias names tokens outside the vocabulary [0, 49152): [-1]"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}).encode(), 400, "needs logprobs"),
     (json.dumps({"messages": [{"role": "user", "content": "x" * (9 << 20)}]}).encode(), 413, "over 8 MiB"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "quality": 1.5}).encode(), 400, "quality"),

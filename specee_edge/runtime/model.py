@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import ctypes
+import numbers
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from llama_cpp import llama_cpp as _llama
 
-from specee_edge.errors import ModelLoadError
+from specee_edge.errors import ModelLoadError, SpecEEError
 from specee_edge.gguf_index import check_gguf_file
 from specee_edge.runtime._bindings import C
 from specee_edge.runtime.logging import quiet_llama_logs
+
+
+def check_token_ids(ids: Iterable[object], n_vocab: int, what: str) -> None:
+    """Token ids given by a user (a prompt as ids, logit_bias's keys) are integers in [0, n_vocab): a negative one
+    would index the logits from their end, one past the vocabulary out of their bounds."""
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < n_vocab]
+    if bad:
+        raise SpecEEError(f"{what} names tokens outside the vocabulary [0, {n_vocab}): {bad[:4]}")
 
 
 @dataclass(frozen=True)
