@@ -356,6 +356,13 @@ def test_logprobs_come_from_the_full_distribution(some_server: Server, stream: b
      "outside the vocabulary"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"-1": 5}}).encode(), 400,
      "logit_bias names tokens outside the vocabulary [0, 49152): [-1]"),
+    # valid JSON, but a lone UTF-16 surrogate is not text (json.dumps writes it as the escape \ud800)
+    (json.dumps({"messages": [{"role": "user", "content": "\ud800"}]}).encode(), 400,
+     "messages.0.content: a lone UTF-16 surrogate (U+D800) at character 0"),
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi \udc00"}]}]}).encode(), 400,
+     "messages.0.content: a lone UTF-16 surrogate (U+DC00) at character 3"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": ["\n", "\ud83d"]}).encode(), 400,
+     "stop: a lone UTF-16 surrogate (U+D83D)"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}).encode(), 400, "needs logprobs"),
     (json.dumps({"messages": [{"role": "user", "content": "x" * (9 << 20)}]}).encode(), 413, "over 8 MiB"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "quality": 1.5}).encode(), 400, "quality"),
@@ -364,12 +371,28 @@ def test_logprobs_come_from_the_full_distribution(some_server: Server, stream: b
     (json.dumps({"messages": [{"role": "user", "content": "word " * 1500}]}).encode(), 400, f"context of {N_CTX}"),
 ])
 def test_bad_requests_get_an_error_object(server: Server, body: bytes, status: int, needle: str):
-    response = httpx.post(f"{server.url}/v1/chat/completions", content=body, timeout=60,
+    assert_refused(server, "chat/completions", body, status, needle)
+
+
+def assert_refused(server: Server, route: str, body: bytes, status: int, needle: str) -> dict:
+    """The route answers `status` with an error object saying `needle`, and the server goes on."""
+    response = httpx.post(f"{server.url}/v1/{route}", content=body, timeout=60,
                           headers={"Content-Type": "application/json"})
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert needle in error["message"] and error["type"]
+    assert needle in error["message"] and error["type"], error
     assert server.health()["status"] == "ok"
+    return error
+
+
+@pytest.mark.parametrize("prompt, needle", [
+    ("\udfff", "prompt: a lone UTF-16 surrogate (U+DFFF) at character 0"),
+    (["fine", "\ud800"], "prompt: a lone UTF-16 surrogate (U+D800)"),
+    (["one", "two"], "one prompt per request"),
+])
+def test_bad_completion_prompts_get_a_400(server: Server, prompt, needle: str):
+    error = assert_refused(server, "completions", json.dumps({"prompt": prompt, "max_tokens": 2}).encode(), 400, needle)
+    assert error["param"] in ("prompt", None)  # None: a body the schema refused, named in the message
 
 
 def test_openai_client_sees_the_context_error(client: OpenAI):
