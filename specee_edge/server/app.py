@@ -31,6 +31,7 @@ from specee_edge.engine.sampling import check_logit_bias
 from specee_edge.errors import ContextFullError, SpecEEError
 from specee_edge.exits import depth_band, depth_bands
 from specee_edge.pack import PackLevelError, parse_quality
+from specee_edge.runtime.model import check_token_ids
 from specee_edge.server import protocol
 from specee_edge.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from specee_edge.server.worker import EngineWorker, Job, QueueFullError, ServerClosingError
@@ -194,10 +195,10 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        try:
-            prompt = body.prompt_text()
-        except ValueError as e:
-            raise ApiError(400, str(e), param="prompt") from None
+        with refused_as("prompt"):
+            prompt = body.single_prompt()
+            if isinstance(prompt, list):
+                check_token_ids(prompt, engine.model.info.n_vocab, "prompt")
         return await _complete(request, body, prompt, chat=False)
 
     app.include_router(v1)
@@ -206,8 +207,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def page() -> str:
         return resources.files("specee_edge.server").joinpath("static/index.html").read_text()
 
-    async def _complete(request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: str, *,
-                        chat: bool) -> Response:
+    async def _complete(request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: str | list[int],
+                        *, chat: bool) -> Response:
         if body.n != 1:
             raise ApiError(400, f"n must be 1 (one choice per request), got {body.n}", code="unsupported_value")
         sampling = body.sampling()

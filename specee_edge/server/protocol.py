@@ -150,7 +150,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
+    # text or token ids, or a list of one of either (OpenAI's batch form, one prompt long here); list[int] first,
+    # so that [] is an empty prompt of ids rather than an empty batch
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=5)
 
@@ -160,12 +162,16 @@ class CompletionRequest(SamplingFields):
     def n_logprobs(self) -> int | None:
         return self.logprobs
 
-    def prompt_text(self) -> str:
-        if isinstance(self.prompt, str):
-            return self.prompt
-        if len(self.prompt) != 1:
-            raise ValueError("one prompt per request: n and prompt lists are not supported")
-        return self.prompt[0]
+    def single_prompt(self) -> str | list[int]:
+        """The request's one prompt: text, or token ids, decoded as given (no BOS added, as in llama-server)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError("one prompt per request: n and prompt lists are not supported")
+            prompt = prompt[0]
+        if prompt == []:
+            raise ValueError("the prompt holds no token ids")
+        return prompt
 
 
 def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None,
