@@ -330,6 +330,9 @@ def test_bad_arguments_are_refused(tiny_dir):
         ctx.set_candidates([1, 2, 3, model.info.n_vocab])
     with pytest.raises(SpecEEError, match="out of range"):
         ctx.decode([model.info.n_vocab + 3])
+    # what JSON's "\ud800" decodes to: no UTF-8 form, a one-line error rather than a UnicodeEncodeError
+    with pytest.raises(SpecEEError, match=r"lone UTF-16 surrogate \(U\+D800\) at character 2"):
+        model.tokenize("hi\ud800!")
 
 
 def test_callback_exceptions_surface_after_decode(tiny_dir):

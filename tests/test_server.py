@@ -23,6 +23,7 @@ from openai import OpenAI
 
 from specee_edge.default_model import default_model_path
 from specee_edge.engine import GREEDY, Engine, EngineConfig
+from specee_edge.runtime import Model
 from tests.conftest import LOOSE, exiting_quality, write_two_level_pack
 
 CLI = str(Path(sys.executable).with_name("specee-edge"))
@@ -313,7 +314,6 @@ def test_openai_fields_are_honoured(server: Server, client: OpenAI):
 
 def tokens_of(server: Server, text: str) -> list[int]:
     """The ids the tokenizer gives `text` (from the engine in this process: the server has no tokenize route)."""
-    from specee_edge.runtime import Model
     return Model(default_model_path()).tokenize(text, add_special=False)
 
 
@@ -354,6 +354,15 @@ def test_logprobs_come_from_the_full_distribution(some_server: Server, stream: b
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": "x" * 2000}).encode(), 400, "at most 4 stop"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": -100}}).encode(), 400,
      "outside the vocabulary"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"-1": 5}}).encode(), 400,
+     "logit_bias names tokens outside the vocabulary [0, 49152): [-1]"),
+    # valid JSON, but a lone UTF-16 surrogate is not text (json.dumps writes it as the escape \ud800)
+    (json.dumps({"messages": [{"role": "user", "content": "\ud800"}]}).encode(), 400,
+     "messages.0.content: a lone UTF-16 surrogate (U+D800) at character 0"),
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi \udc00"}]}]}).encode(), 400,
+     "messages.0.content: a lone UTF-16 surrogate (U+DC00) at character 3"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": ["\n", "\ud83d"]}).encode(), 400,
+     "stop: a lone UTF-16 surrogate (U+D83D)"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}).encode(), 400, "needs logprobs"),
     (json.dumps({"messages": [{"role": "user", "content": "x" * (9 << 20)}]}).encode(), 413, "over 8 MiB"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "quality": 1.5}).encode(), 400, "quality"),
@@ -362,12 +371,48 @@ def test_logprobs_come_from_the_full_distribution(some_server: Server, stream: b
     (json.dumps({"messages": [{"role": "user", "content": "word " * 1500}]}).encode(), 400, f"context of {N_CTX}"),
 ])
 def test_bad_requests_get_an_error_object(server: Server, body: bytes, status: int, needle: str):
-    response = httpx.post(f"{server.url}/v1/chat/completions", content=body, timeout=60,
+    assert_refused(server, "chat/completions", body, status, needle)
+
+
+def assert_refused(server: Server, route: str, body: bytes, status: int, needle: str) -> dict:
+    """The route answers `status` with an error object saying `needle`, and the server goes on."""
+    response = httpx.post(f"{server.url}/v1/{route}", content=body, timeout=60,
                           headers={"Content-Type": "application/json"})
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert needle in error["message"] and error["type"]
+    assert needle in error["message"] and error["type"], error
     assert server.health()["status"] == "ok"
+    return error
+
+
+@pytest.mark.parametrize("prompt, needle", [
+    ("\udfff", "prompt: a lone UTF-16 surrogate (U+DFFF) at character 0"),
+    (["fine", "\ud800"], "prompt: a lone UTF-16 surrogate (U+D800)"),
+    ([], "the prompt holds no token ids"),
+    ([[]], "the prompt holds no token ids"),
+    ([1, 2, 49152], "prompt names tokens outside the vocabulary [0, 49152): [49152]"),
+    ([[1, -2, 3]], "prompt names tokens outside the vocabulary [0, 49152): [-2]"),
+    (["one", "two"], "one prompt per request"),
+    ([1, "two"], "prompt"),
+])
+def test_bad_completion_prompts_get_a_400(server: Server, prompt, needle: str):
+    error = assert_refused(server, "completions", json.dumps({"prompt": prompt, "max_tokens": 2}).encode(), 400, needle)
+    assert error["param"] in ("prompt", None)  # None: a body the schema refused, named in the message
+
+
+def test_a_completion_prompt_of_token_ids_is_the_texts_tokens(client: OpenAI):
+    """A prompt of ids (OpenAI's and llama-server's array of tokens) is decoded as given: the text's own tokens
+    give the text's reply; a list of one prompt is that prompt."""
+    text = "The capital of France is"
+    model = Model(default_model_path())
+    ids = model.tokenize(text)  # as the server tokenizes text (a BOS where the model asks for one)
+    replies = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+               for prompt in (text, ids, [ids])]
+    assert len({r.choices[0].text for r in replies}) == 1 and replies[0].choices[0].text
+    assert {r.usage.prompt_tokens for r in replies} == {len(ids)}
+    for given in (ids[2:], [model.bos, *ids]):  # nothing added, nothing dropped
+        reply = client.completions.create(model=MODEL, prompt=given, max_tokens=2, temperature=0)
+        assert reply.usage.prompt_tokens == len(given)
 
 
 def test_openai_client_sees_the_context_error(client: OpenAI):

@@ -6,6 +6,8 @@ logit bias -> penalties -> top-k -> top-p -> min-p -> temperature -> draw. Tempe
 from __future__ import annotations
 
 import ctypes
+import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -13,6 +15,7 @@ import llama_cpp
 import numpy as np
 
 from specee_edge.errors import SpecEEError
+from specee_edge.runtime.model import check_token_ids
 
 
 @dataclass
@@ -40,6 +43,16 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+def check_logit_bias(bias: Mapping[int, float], n_vocab: int) -> None:
+    """The one check of a logit bias, made by the Sampler and, before it queues a request, by the server: token ids
+    of the vocabulary, and biases that are finite, or -inf to ban the token (NaN and +inf leave no distribution)."""
+    check_token_ids(bias, n_vocab, "logit_bias")
+    for token, value in bias.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or value == math.inf:
+            raise SpecEEError(f"logit_bias gives token {token} the bias {value!r}: a bias is a finite number,"
+                              " or -inf to ban the token")
 
 
 def apply_logit_bias(logits: np.ndarray, bias: Mapping[int, float]) -> np.ndarray:
@@ -114,10 +127,11 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, n_vocab: int, prompt: Sequence[int] = (),
                  n_logprobs: int | None = None):
+        self._chain = None  # before the check: __del__ closes a sampler that failed it too
+        check_logit_bias(params.logit_bias, n_vocab)
         self.params = params
         self.n_vocab = n_vocab
         self.n_logprobs = n_logprobs
-        self._chain = None
         if params.greedy and not params.penalized and not params.logit_bias:
             return
         self._chain = sampler_chain(params, n_vocab)

@@ -3,16 +3,36 @@
 from __future__ import annotations
 
 import ctypes
+import numbers
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from llama_cpp import llama_cpp as _llama
 
-from specee_edge.errors import ModelLoadError
+from specee_edge.errors import ModelLoadError, SpecEEError
 from specee_edge.gguf_index import check_gguf_file
 from specee_edge.runtime._bindings import C
 from specee_edge.runtime.logging import quiet_llama_logs
+
+
+def check_token_ids(ids: Iterable[object], n_vocab: int, what: str) -> None:
+    """Token ids given by a user (a prompt as ids, logit_bias's keys) are integers in [0, n_vocab): a negative one
+    would index the logits from their end, one past the vocabulary out of their bounds."""
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < n_vocab]
+    if bad:
+        raise SpecEEError(f"{what} names tokens outside the vocabulary [0, {n_vocab}): {bad[:4]}")
+
+
+def utf8(text: str) -> bytes:
+    """`text` in UTF-8. A lone UTF-16 surrogate (what JSON's "\\ud800" decodes to) is not a character and has no
+    UTF-8 form: a one-line error instead of a UnicodeEncodeError."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SpecEEError(f"a lone UTF-16 surrogate (U+{ord(text[e.start]):04X}) at character {e.start} is not text:"
+                          " surrogates come in pairs") from None
 
 
 @dataclass(frozen=True)
@@ -60,7 +80,7 @@ class Model:
             size = n + 1
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        data = text.encode("utf-8")
+        data = utf8(text)
         capacity = len(data) + 8
         tokens = (_llama.llama_token * capacity)()
         n = _llama.llama_tokenize(self._vocab, data, len(data), tokens, capacity, add_special, parse_special)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from importlib import resources
 
@@ -27,9 +27,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specee_edge.engine import Engine, GenerationStats, TokenRecord
+from specee_edge.engine.sampling import check_logit_bias
 from specee_edge.errors import ContextFullError, SpecEEError
 from specee_edge.exits import depth_band, depth_bands
 from specee_edge.pack import PackLevelError, parse_quality
+from specee_edge.runtime.model import check_token_ids
 from specee_edge.server import protocol
 from specee_edge.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from specee_edge.server.worker import EngineWorker, Job, QueueFullError, ServerClosingError
@@ -193,10 +195,10 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        try:
-            prompt = body.prompt_text()
-        except ValueError as e:
-            raise ApiError(400, str(e), param="prompt") from None
+        with refused_as("prompt"):
+            prompt = body.single_prompt()
+            if isinstance(prompt, list):
+                check_token_ids(prompt, engine.model.info.n_vocab, "prompt")
         return await _complete(request, body, prompt, chat=False)
 
     app.include_router(v1)
@@ -205,17 +207,16 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def page() -> str:
         return resources.files("specee_edge.server").joinpath("static/index.html").read_text()
 
-    async def _complete(request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: str, *,
-                        chat: bool) -> Response:
+    async def _complete(request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: str | list[int],
+                        *, chat: bool) -> Response:
         if body.n != 1:
             raise ApiError(400, f"n must be 1 (one choice per request), got {body.n}", code="unsupported_value")
-        if bad := [t for t in body.logit_bias or {} if not 0 <= t < engine.model.info.n_vocab]:
-            raise ApiError(400, f"logit_bias names tokens outside the vocabulary [0, {engine.model.info.n_vocab}): {bad[:4]}",
-                           param="logit_bias")
+        sampling = body.sampling()
+        with refused_as("logit_bias"):  # the Sampler's own check, made before the request waits in the queue
+            check_logit_bias(sampling.logit_bias, engine.model.info.n_vocab)
         quality = _request_quality(engine, body.quality, engine.config.quality)
         max_tokens = body.reply_limit or engine.ctx.n_ctx  # none: until the context is full
-        job = Job(prompt, max_tokens, body.sampling(), body.stops(), quality, asyncio.get_running_loop(),
-                  body.n_logprobs)
+        job = Job(prompt, max_tokens, sampling, body.stops(), quality, asyncio.get_running_loop(), body.n_logprobs)
         try:
             worker.submit(job)
         except QueueFullError as e:
@@ -330,6 +331,15 @@ class Reply:
         if specee is not None:
             body["specee"] = specee
         return {"data": json.dumps(body)}
+
+
+@contextmanager
+def refused_as(param: str) -> Iterator[None]:
+    """A check's one-line error as a 400 that names the request's field."""
+    try:
+        yield
+    except (ValueError, SpecEEError) as e:
+        raise ApiError(400, str(e), param=param) from None
 
 
 def _format_chat(engine: Engine, body: ChatCompletionRequest, template: str | None) -> str:

@@ -15,11 +15,13 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specee_edge.engine import GenerationStats, SamplingParams, TokenRecord
 from specee_edge.engine.sampling import TokenLogprobs
+from specee_edge.errors import SpecEEError
 from specee_edge.exits import ExitKind
+from specee_edge.runtime.model import utf8
 
 MAX_STOPS = 4             # OpenAI's limit
 MAX_STOP_CHARS = 1024
@@ -29,6 +31,19 @@ LOGPROB_FLOOR = -9999.0   # JSON has no -Infinity
 # fields this server knows but cannot honour, and the values that ask for nothing
 UNSUPPORTED: dict[str, tuple] = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
                                  "function_call": (None, "none"), "response_format": (None, {"type": "text"})}
+
+
+def check_text(value: Any) -> Any:
+    """A text field's strings (a string, or a list of strings or of text parts) are text UTF-8 can carry: valid
+    JSON can still hold a lone UTF-16 surrogate ("\\ud800"), which the tokenizer cannot take."""
+    for item in value if isinstance(value, list) else [value]:
+        text = item.text if isinstance(item, TextPart) else item
+        if isinstance(text, str):
+            try:
+                utf8(text)
+            except SpecEEError as e:
+                raise ValueError(str(e)) from None
+    return value
 
 
 class SamplingFields(BaseModel):
@@ -63,6 +78,8 @@ class SamplingFields(BaseModel):
             if data.get(name) not in allowed:
                 raise ValueError(f"{name} is not supported by this server")
         return {key: value for key, value in data.items() if value is not None}
+
+    _stop_is_text = field_validator("stop")(check_text)
 
     @model_validator(mode="after")
     def _check(self) -> SamplingFields:
@@ -107,6 +124,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]  # a tool's result, as the template renders it
     content: str | list[TextPart] | None = None
 
+    _content_is_text = field_validator("content")(check_text)
+
     def for_template(self) -> dict[str, str]:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
@@ -130,20 +149,28 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
+    # text or token ids, or a list of one of either (OpenAI's batch form, one prompt long here); list[int] first,
+    # so that [] is an empty prompt of ids rather than an empty batch
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=5)
+
+    _prompt_is_text = field_validator("prompt")(check_text)
 
     @property
     def n_logprobs(self) -> int | None:
         return self.logprobs
 
-    def prompt_text(self) -> str:
-        if isinstance(self.prompt, str):
-            return self.prompt
-        if len(self.prompt) != 1:
-            raise ValueError("one prompt per request: n and prompt lists are not supported")
-        return self.prompt[0]
+    def single_prompt(self) -> str | list[int]:
+        """The request's one prompt: text, or token ids, decoded as given (no BOS added, as in llama-server)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError("one prompt per request: n and prompt lists are not supported")
+            prompt = prompt[0]
+        if prompt == []:
+            raise ValueError("the prompt holds no token ids")
+        return prompt
 
 
 def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None,

@@ -35,7 +35,7 @@ class ServerClosingError(SpecEEError):
 class Job:
     """One request's generation, and the channel its events come back through."""
 
-    prompt: str
+    prompt: str | list[int]  # text, or token ids decoded as given
     max_tokens: int
     sampling: SamplingParams
     stop: Sequence[str]
@@ -106,7 +106,7 @@ class EngineWorker:
             engine.set_quality(job.quality)
             self._quality = job.quality
         try:
-            tokens = engine.tokenize(job.prompt)
+            tokens = engine.tokenize(job.prompt) if isinstance(job.prompt, str) else job.prompt
             reuse_cache(engine, tokens)
             # a client that goes away during a long prompt stops it at the next batch
             stream = engine.stream(tokens, max_tokens=job.max_tokens, sampling=job.sampling, stop=job.stop,
