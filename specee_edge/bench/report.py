@@ -30,6 +30,25 @@ class SampledResult:
 
 
 @dataclass
+class RoundTrips:
+    """What a lane's greedy decode steps waited for from the RPC workers (--rpc), per step: the replies, and the
+    time waiting for them (the worker's compute of the graph sent before each reply included)."""
+
+    per_step: float
+    wait_ms_per_step: float
+
+
+@dataclass
+class RpcResult:
+    """The run's RPC workers: a bare round trip, and vanilla's round trips (the lanes' are in their ModeResult)."""
+
+    workers: list[str]
+    n_gpu_layers: int
+    bare_round_trip_ms: float         # median of a device-memory query: the least a stop after a remote layer adds
+    vanilla: RoundTrips
+
+
+@dataclass
 class ModeResult:
     """SpecEE with one KV mode at one quality level; names from SPEC.md §5."""
 
@@ -74,6 +93,7 @@ class ModeResult:
     calibrated_speedup_sampled: float | None = None
     calibrated_agreement: tuple[float, float] | None = None  # lossy levels: the stored 95% interval
     agreement_interval: tuple[float, float] | None = None  # the bench's own 95% interval, over its prompts
+    round_trips: RoundTrips | None = None  # with --rpc
 
 
 @dataclass
@@ -108,6 +128,7 @@ class BenchResult:
     looping_answers: int = 0                   # vanilla greedy answers at least half repeated (quality.LOOP_SHARE)
     repetition_sampled_by_category: dict[str, float] = field(default_factory=dict)  # ... of vanilla sampled's
     looping_answers_sampled: int = 0
+    rpc: RpcResult | None = None                # layers on RPC workers (--rpc)
 
     @property
     def main(self) -> ModeResult:
@@ -145,7 +166,25 @@ class BenchResult:
     # --- terminal ----------------------------------------------------------------------------
 
     def render(self) -> Group:
-        return Group(self._run(), self._quality(), self._machinery(), self._time_split(), self._histogram())
+        parts = [self._run(), self._quality(), self._machinery(), self._time_split(), self._histogram()]
+        return Group(*parts, *([self._round_trips()] if self.rpc else []))
+
+    def _round_trips(self) -> Table:
+        """--rpc: per greedy step, the replies each lane waited for from the workers and the time spent waiting."""
+        rpc = self.rpc
+        table = Table(title=f"RPC round trips per step: {', '.join(rpc.workers)} hold the last {rpc.n_gpu_layers} layers;"
+                            f" a bare round trip {rpc.bare_round_trip_ms:.3f} ms", box=box.SIMPLE_HEAD,
+                      caption="waiting includes the workers' compute of the graphs sent before each reply")
+        for name in ("lane", "speed-up", "round trips", "ms waiting", "share of step"):
+            table.add_column(name, justify="right" if name != "lane" else "left")
+        vanilla_ms = 1e3 / self.vanilla_tok_s if self.vanilla_tok_s else 0.0
+        rows = [("vanilla", 1.0, rpc.vanilla, vanilla_ms)]
+        rows += [(self.level_label(m), m.speedup, m.round_trips, 1e3 / m.specee_tok_s if m.specee_tok_s else 0.0)
+                 for m in self.modes if m.round_trips]
+        for label, speedup, trips, step_ms in rows:
+            table.add_row(label, f"{speedup:.3f}x", f"{trips.per_step:.2f}", f"{trips.wait_ms_per_step:.3f}",
+                          f"{trips.wait_ms_per_step / step_ms:.2f}" if step_ms else "-")
+        return table
 
     def _run(self) -> Table:
         table = Table(title=f"specee-edge bench: {self.model}", show_header=False)

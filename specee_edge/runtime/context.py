@@ -17,6 +17,7 @@ from llama_cpp import llama_cpp as _llama
 from specee_edge.archs import SUPPORTED
 from specee_edge.errors import ContextFullError, DecodeCancelled, SpecEEError, UnsupportedModelError
 from specee_edge.exits import ExitKind
+from specee_edge.runtime import rpc
 from specee_edge.runtime._bindings import C, KV_MODES, MAX_CANDIDATES, Decision, TokenInfo, probe_callback_t
 from specee_edge.runtime.model import Model
 
@@ -100,6 +101,7 @@ class Context:
         params.swa_full = swa_full
         self._ctx = _llama.llama_init_from_model(model.handle, params)
         if not self._ctx:
+            rpc.check_workers(model.workers)
             raise SpecEEError(f"llama.cpp could not create a context of {n_ctx} tokens for {model.info.path}")
         self._mem = _llama.llama_get_memory(self._ctx)
         self.n_ctx = _llama.llama_n_ctx(self._ctx)
@@ -359,6 +361,7 @@ class Context:
             else:  # llama_batch_get_one asks for the logits of the chunk's last token
                 array = (_llama.llama_token * len(chunk))(*chunk)
                 rc = _llama.llama_decode(self._ctx, _llama.llama_batch_get_one(array, len(chunk)))
+            rpc.check_workers(self.model.workers)  # a lost worker reads as zeros: nothing it returned counts
             self._raise_callback_error()
             if rc == 1:
                 raise ContextFullError("context full: no KV cache slot for the batch")
@@ -391,6 +394,7 @@ class Context:
     def resume(self) -> int | None:
         """Continue the last stopped token from the layer after its exit (probes still active)."""
         rc = C["llama_specee_resume"](self._ctx)
+        rpc.check_workers(self.model.workers)
         self._raise_callback_error()
         if rc < 0:
             raise SpecEEError(f"llama_specee_resume failed ({rc})")
