@@ -7,6 +7,7 @@ as long as the process, and the test process goes on to load models that must no
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 
@@ -28,7 +29,8 @@ def answer(engine: Engine, mode: str, question: str, max_tokens: int = TOKENS) -
     engine.reset()
     prompt = engine.tokenize(engine.format_chat([{"role": "user", "content": question}]))
     records = list(engine.stream(prompt, max_tokens=max_tokens, sampling=GREEDY))
-    return {"tokens": [r.id for r in records], "exits": [r.exit_layer for r in records]}
+    return {"tokens": [r.id for r in records], "exits": [r.exit_layer for r in records],
+            "last_logits": hashlib.sha256(engine.logits().tobytes()).hexdigest()}  # the next token's, bit for bit
 
 
 def all_answers(engine: Engine) -> dict[str, list[dict]]:

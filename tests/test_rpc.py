@@ -80,6 +80,8 @@ def test_a_model_split_across_two_workers_answers_as_on_one_machine(workers, exa
         for local, remote in zip(result["local"][mode], result["rpc"][mode]):
             assert remote["tokens"] == local["tokens"], mode
             assert remote["exits"] == local["exits"], mode
+            # the workers run the same CPU kernels: not only the tokens, the logits are the same to the bit
+            assert remote["last_logits"] == local["last_logits"], mode
     # exits stop after layers that live on the workers, and after the client's (the remote splits then never run)
     exits = [il for mode in ("lossy", "exact") for answer in result["rpc"][mode] for il in answer["exits"] if il is not None]
     assert any(il >= first_remote for il in exits) and any(il < first_remote for il in exits), exits
