@@ -361,7 +361,7 @@ class Context:
             else:  # llama_batch_get_one asks for the logits of the chunk's last token
                 array = (_llama.llama_token * len(chunk))(*chunk)
                 rc = _llama.llama_decode(self._ctx, _llama.llama_batch_get_one(array, len(chunk)))
-            rpc.check_workers(self.model.workers)  # a lost worker reads as zeros: nothing it returned counts
+            self._check_workers()
             self._raise_callback_error()
             if rc == 1:
                 raise ContextFullError("context full: no KV cache slot for the batch")
@@ -394,13 +394,21 @@ class Context:
     def resume(self) -> int | None:
         """Continue the last stopped token from the layer after its exit (probes still active)."""
         rc = C["llama_specee_resume"](self._ctx)
-        rpc.check_workers(self.model.workers)
+        self._check_workers()
         self._raise_callback_error()
         if rc < 0:
             raise SpecEEError(f"llama_specee_resume failed ({rc})")
         if rc == 1:
             raise SpecEEError("nothing to resume: the last token did not stop early")
         return self.exit_layer
+
+    def _check_workers(self) -> None:
+        """With layers on RPC workers: wait for the decode's remote work (llama_decode returns before an async
+        backend is done, and the logits come back after it), so that a step's time holds it and a worker lost
+        during it is seen now; a lost worker's results read as zeros, so nothing it returned may be used."""
+        if self.model.workers:
+            _llama.llama_synchronize(self._ctx)
+            rpc.check_workers(self.model.workers)
 
     def _raise_callback_error(self) -> None:
         if self._callback_error is not None:
