@@ -59,6 +59,7 @@ BASE_CMAKE_FLAGS = (
     "-DLLAMA_BUILD_TOOLS=OFF",
     "-DLLAMA_BUILD_SERVER=OFF",
     "-DLLAMA_BUILD_COMMON=OFF",  # honoured once keep_common_optional() has edited the sdist
+    "-DGGML_RPC=ON",  # ggml's RPC backend: `specee-edge rpc-worker` and `--rpc` (layers on other machines)
 )
 BACKEND_FLAGS = {
     "cpu": (),

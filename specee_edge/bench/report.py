@@ -45,6 +45,25 @@ class SampledResult:
 
 
 @dataclass
+class RoundTrips:
+    """What a lane's greedy decode steps waited for from the RPC workers (--rpc), per step: the replies, and the
+    time waiting for them (the worker's compute of the graph sent before each reply included)."""
+
+    per_step: float
+    wait_ms_per_step: float
+
+
+@dataclass
+class RpcResult:
+    """The run's RPC workers: a bare round trip, and vanilla's round trips (the lanes' are in their ModeResult)."""
+
+    workers: list[str]
+    n_gpu_layers: int
+    bare_round_trip_ms: float         # median of a device-memory query: the least a stop after a remote layer adds
+    vanilla: RoundTrips
+
+
+@dataclass
 class ModeResult:
     """SpecEE with one KV mode at one quality level; names from SPEC.md §5."""
 
@@ -92,6 +111,7 @@ class ModeResult:
     speedup_by_category: dict[str, float] = field(default_factory=dict)  # greedy
     choices: ExactChoices | None = None  # exact mode, greedy
     pack: bool = True                 # False: the engine without a pack (exact mode drafting by prompt lookup only)
+    round_trips: RoundTrips | None = None  # with --rpc
 
 
 @dataclass
@@ -130,6 +150,7 @@ class BenchResult:
     # and the speed-up where a batch costs one step (bench/lookup_replay.py)
     lookup_replay: dict[str, dict[str, float]] = field(default_factory=dict)
     lookup_replay_sampled: dict[str, dict[str, float]] = field(default_factory=dict)
+    rpc: RpcResult | None = None                # layers on RPC workers (--rpc)
 
     @property
     def main(self) -> ModeResult:
@@ -167,8 +188,26 @@ class BenchResult:
     # --- terminal ----------------------------------------------------------------------------
 
     def render(self) -> Group:
-        return Group(self._run(), self._quality(), self._machinery(), self._exact_choices(), self._by_category(),
-                     self._time_split(), self._histogram())
+        parts = [self._run(), self._quality(), self._machinery(), self._exact_choices(), self._by_category(),
+                 self._time_split(), self._histogram()]
+        return Group(*parts, *([self._round_trips()] if self.rpc else []))
+
+    def _round_trips(self) -> Table:
+        """--rpc: per greedy step, the replies each lane waited for from the workers and the time spent waiting."""
+        rpc = self.rpc
+        table = Table(title=f"RPC round trips per step: {', '.join(rpc.workers)} hold the last {rpc.n_gpu_layers} layers;"
+                            f" a bare round trip {rpc.bare_round_trip_ms:.3f} ms", box=box.SIMPLE_HEAD,
+                      caption="waiting includes the workers' compute of the graphs sent before each reply")
+        for name in ("lane", "speed-up", "round trips", "ms waiting", "share of step"):
+            table.add_column(name, justify="right" if name != "lane" else "left")
+        vanilla_ms = 1e3 / self.vanilla_tok_s if self.vanilla_tok_s else 0.0
+        rows = [("vanilla", 1.0, rpc.vanilla, vanilla_ms)]
+        rows += [(self.level_label(m), m.speedup, m.round_trips, 1e3 / m.specee_tok_s if m.specee_tok_s else 0.0)
+                 for m in self.modes if m.round_trips]
+        for label, speedup, trips, step_ms in rows:
+            table.add_row(label, f"{speedup:.3f}x", f"{trips.per_step:.2f}", f"{trips.wait_ms_per_step:.3f}",
+                          f"{trips.wait_ms_per_step / step_ms:.2f}" if step_ms else "-")
+        return table
 
     def _run(self) -> Table:
         table = Table(title=f"specee-edge bench: {self.model}", show_header=False)

@@ -16,7 +16,8 @@ from specee_edge.bench.oracle import Oracle, oracle_depths
 from specee_edge.bench.quality import (LOOP_SHARE, NEAR_TIE, Agreement, Perplexity, agreement, divergence_margins,
                                       exact_prefix, perplexity, repetition)
 from specee_edge.bench.lookup_replay import replay_by_category
-from specee_edge.bench.report import TIME_PARTS, BenchResult, ExactChoices, ModeResult, SampledResult
+from specee_edge.bench.report import (TIME_PARTS, BenchResult, ExactChoices, ModeResult, RoundTrips, RpcResult,
+                                      SampledResult)
 from specee_edge.bench.runner import PeerLane, SpecEELane, VanillaLane, run_interleaved
 from specee_edge.data.prompts import Prompt, bench_prompts, heldout_text
 from specee_edge.engine import AUTO, DEFAULT_KV_MODE, Engine, EngineConfig, GenerationStats, TokenRecord
@@ -24,8 +25,8 @@ from specee_edge.engine.sampling import SamplingParams
 from specee_edge.engine.exit import find_pack
 from specee_edge.errors import SpecEEError
 from specee_edge.pack import EXACT_QUALITY, Pack, parse_quality, read_pack
-from specee_edge.runtime import Context
-from specee_edge.runtime.costs import DraftSetup, TokenCosts, cost_lanes
+from specee_edge.runtime import Context, rpc
+from specee_edge.runtime.costs import DraftSetup, Timing, TokenCosts, cost_lanes
 from specee_edge.runtime.weights import TargetWeights
 from specee_edge.threads import default_threads
 
@@ -147,13 +148,14 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     # 1. speed: vanilla, SpecEE per KV mode and quality level, and the cost lanes, token by token in turns;
     # vanilla's context is the engines' size (attention over a larger cache costs more)
     llm = Llama(model_path=str(config.model), n_ctx=ENGINE_CTX, n_threads=config.threads,
-                n_threads_batch=config.threads, verbose=False)
+                n_threads_batch=config.threads, verbose=False, **llama_placement())
     vanilla = VanillaLane(llm, config.tokens, model.is_eog)
     lanes = [SpecEELane(mode, engine, config.tokens) for mode, engine in engines]
     peer = peer_lane(config, model.is_eog) if config.peer else None
     cost = cost_lanes(model, draft_setup(first), n_ctx=seq_ctx, n_threads=config.threads, k=k)
     run_interleaved(prompts, vanilla, [*lanes, *([peer] if peer else [])], cost,
-                    reporter.task("decoding, greedy", len(prompts) * (config.tokens - 1)))
+                    reporter.task("decoding, greedy", len(prompts) * (config.tokens - 1)), workers=model.workers)
+    rpc_result = rpc_report(model.workers, model.n_gpu_layers, vanilla) if model.workers else None
     categories = [p.category for p in selected]
     greedy_choices = [exact_choices(lane, vanilla, categories) for lane in lanes]
     costs = TokenCosts.fit([cost])
@@ -192,7 +194,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     no_loop = [i for i, share in enumerate(repeated) if share < LOOP_SHARE]
     repeated_sampled = [repetition(output) for output in vanilla_sampled.outputs] if vanilla_sampled else []
     modes = [
-        mode_result(lane, vanilla, oracle, costs, categories, no_loop,
+        mode_result(lane, vanilla, oracle, costs, categories, no_loop, bool(model.workers),
                     agreement=agreement(reference, prompts, lane.records, advance),
                     # exact mode's distribution is the full model's: its perplexity is plain decoding's
                     ppl=perplexity(lane.engine, heldout, early_exit=not lane.engine.exact, advance=advance),
@@ -220,7 +222,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
         looping_answers_sampled=sum(share >= LOOP_SHARE for share in repeated_sampled),
         lookup_replay=replay_by_category(prompts, vanilla.outputs, categories),
         lookup_replay_sampled=replay_by_category(prompts, vanilla_sampled.outputs, categories) if vanilla_sampled else {},
-        seconds=time.perf_counter() - start, command=config.command,
+        seconds=time.perf_counter() - start, command=config.command, rpc=rpc_result,
     )
 
 
@@ -230,7 +232,8 @@ def by_category(values: Sequence[float], categories: Sequence[str]) -> dict[str,
 
 def peer_lane(config: BenchConfig, is_eog, sampling: SamplingParams | None = None) -> PeerLane:
     kwargs = {"sampling": sampling} if sampling else {}
-    return PeerLane(str(config.model), ENGINE_CTX, config.threads, config.tokens, is_eog, **kwargs)
+    return PeerLane(str(config.model), ENGINE_CTX, config.threads, config.tokens, is_eog, placement=llama_placement(),
+                    **kwargs)
 
 
 def lane_speed(lane: PeerLane | SpecEELane, vanilla: VanillaLane, categories: Sequence[str],
@@ -298,10 +301,10 @@ def sampled_result(lane: SpecEELane, vanilla: VanillaLane, categories: Sequence[
 
 
 def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, costs: TokenCosts, categories: Sequence[str],
-                no_loop: Sequence[int], *, agreement: Agreement, ppl: Perplexity, margins: list[float],
+                no_loop: Sequence[int], on_workers: bool, *, agreement: Agreement, ppl: Perplexity, margins: list[float],
                 sampled: SampledResult | None, choices: ExactChoices | None) -> ModeResult:
     """categories: each prompt's, in the order the lane answered them; no_loop: the prompts whose vanilla
-    answer does not loop."""
+    answer does not loop; on_workers: layers live on RPC workers (the lane's round trips are reported)."""
     stats = decode_stats(lane.records, oracle.n_layer)
     by_category: dict[str, GenerationStats] = {}
     for category, records in zip(categories, lane.records):
@@ -341,7 +344,25 @@ def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, costs: T
         calibrated_agreement=level.agreement_interval() if level and not level.exact and level.steps else None,
         agreement_interval=agreement.interval,
         speedup_by_category=speedup_by_category(lane, vanilla, categories), choices=choices, pack=policy is not None,
+        round_trips=round_trips(lane.timing) if on_workers else None,
     )
+
+
+def round_trips(timing: Timing) -> RoundTrips:
+    steps = max(timing.steps, 1)
+    return RoundTrips(timing.replies.count / steps, timing.replies.wait_ms / steps)
+
+
+def rpc_report(workers: tuple[rpc.Endpoint, ...], n_gpu_layers: int, vanilla: VanillaLane) -> RpcResult:
+    bare = float(np.mean([rpc.round_trip_ms(worker) for worker in workers]))
+    return RpcResult([str(w) for w in workers], n_gpu_layers, bare, round_trips(vanilla.timing))
+
+
+def llama_placement() -> dict:
+    """llama-cpp-python's Llama arguments for this process's placement (-ngl, -ts, --rpc), so that the vanilla and
+    peer lanes put their layers where the engines do."""
+    offload = rpc.default_offload()
+    return {"n_gpu_layers": offload.n_gpu_layers, "tensor_split": list(offload.tensor_split) or None}
 
 
 def verify_cost(stats: GenerationStats, vanilla: VanillaLane) -> float | None:

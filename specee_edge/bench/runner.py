@@ -23,7 +23,9 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 from specee_edge.engine import GREEDY, Engine, TokenRecord
 from specee_edge.engine.sampling import Sampler, SamplingParams
 from specee_edge.engine.stops import StopMatcher
+from specee_edge.runtime import rpc
 from specee_edge.runtime.costs import Timing
+from specee_edge.runtime.rpc import Endpoint
 
 
 def prompt_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
@@ -79,9 +81,9 @@ class PeerLane:
     machines), through Llama.generate with llama.cpp's sampler chain; a step is one next() of it."""
 
     def __init__(self, model_path: str, n_ctx: int, n_threads: int, max_tokens: int, is_eog: Callable[[int], bool],
-                 sampling: SamplingParams = GREEDY):
+                 sampling: SamplingParams = GREEDY, placement: dict | None = None):
         self.llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
-                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=2), verbose=False)
+                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=2), verbose=False, **(placement or {}))
         self.max_tokens = max_tokens
         self.is_eog = is_eog
         self.sampling = sampling
@@ -178,10 +180,21 @@ class FedLane(Protocol):
 
 
 def run_interleaved(prompts: Sequence[Sequence[int]], vanilla: VanillaLane, specee: Sequence[SpecEELane | PeerLane],
-                    fed: Sequence[FedLane], advance: Callable[[int], None] = lambda n: None) -> None:
+                    fed: Sequence[FedLane], advance: Callable[[int], None] = lambda n: None,
+                    workers: tuple[Endpoint, ...] = ()) -> None:
     """Decode every prompt with every lane, token by token in turns; `advance` counts steps. The fed lanes
-    (the cost lanes) step in a new random order at each token, as calibration's do (runtime/costs.py)."""
+    (the cost lanes) step in a new random order at each token, as calibration's do (runtime/costs.py).
+    workers: the RPC workers the lanes' layers live on; each lane's timing counts the replies its steps waited for."""
     order = np.random.default_rng(0)
+
+    def counted(lane: VanillaLane | SpecEELane | PeerLane | FedLane, *token: int):
+        if not workers:
+            return lane.step(*token)
+        before = rpc.replies(workers)
+        result = lane.step(*token)
+        lane.timing.replies += rpc.replies(workers) - before
+        return result
+
     steps = vanilla.max_tokens - 1
     for prompt in prompts:
         vanilla.start(prompt)
@@ -191,11 +204,11 @@ def run_interleaved(prompts: Sequence[Sequence[int]], vanilla: VanillaLane, spec
             token = vanilla.next_input()
             busy = token is not None
             if busy:
-                vanilla.step(token)
+                counted(vanilla, token)
                 for i in order.permutation(len(fed)):
-                    fed[i].step(token)
+                    counted(fed[i], token)
             for lane in specee:
-                busy |= lane.step()
+                busy |= counted(lane)
             if not busy:
                 advance(steps - done)
                 break

@@ -12,6 +12,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specee_edge.cli.app import app, console, err_console, fail
+from specee_edge.cli.chat import GpuLayers, Rpc, TensorSplit, set_placement
 from specee_edge.errors import SpecEEError
 
 REFRESH_S = 0.2
@@ -46,6 +47,9 @@ def bench(
     tokens: Annotated[int, typer.Option("-n", "--tokens", help="tokens generated per prompt")] = 96,
     kv_mode: Annotated[str | None, typer.Option("--kv-mode", help="mask, fill, full, or all (default: the engine's)")] = None,
     threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: up to 8)")] = None,
+    n_gpu_layers: GpuLayers = None,
+    rpc_workers: Rpc = None,
+    tensor_split: TensorSplit = None,
     quality: Annotated[str | None, typer.Option("--quality", show_default=False, help=(
         "the pack's quality levels to run, each its own SpecEE lane: exact (the full model's own answers, drafts "
         "verified in batches) or a lossy level's agreement with the full model; all, or a list such as exact,0.95 "
@@ -71,6 +75,7 @@ def bench(
     try:
         if mode != "all" and mode not in KV_MODES:
             raise SpecEEError(f"unknown KV mode {mode!r}: choose {', '.join(KV_MODES)} or all")
+        set_placement(rpc_workers, n_gpu_layers, tensor_split)
         config = BenchConfig(
             model=resolve_model(model), pack=pack or AUTO, prompt_set=prompts, num_prompts=num_prompts,
             tokens=tokens, kv_modes=modes, threads=threads or default_threads(), quality=quality, threshold=threshold,

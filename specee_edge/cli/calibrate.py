@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from specee_edge.cli.app import app, console, err_console, fail
+from specee_edge.cli.chat import GpuLayers, Rpc, TensorSplit, set_placement
 from specee_edge.errors import SpecEEError
 
 
@@ -21,6 +22,9 @@ def calibrate(
     prompts: Annotated[Path | None, typer.Option("--prompts", help="JSONL prompts ({\"prompt\": ...}) instead of the built-in set")] = None,
     k: Annotated[int, typer.Option("--k", help="draft candidates per token")] = 4,
     threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads")] = None,
+    n_gpu_layers: GpuLayers = None,
+    rpc_workers: Rpc = None,
+    tensor_split: TensorSplit = None,
     seed: Annotated[int, typer.Option("-s", "--seed", help="seed of the splits and the MLPs")] = 0,
     levels: Annotated[str, typer.Option("--levels", help="quality levels: the agreements with the full model to aim for, comma-separated (each ships under the agreement the low end of its held-out 95% interval reaches)")] = "0.9,0.95,0.98,0.99,0.995",
     quality: Annotated[float | None, typer.Option("--quality", help="make a lossy level the pack's default (one of --levels; it keeps the name it ships under) [default: exact mode]")] = None,
@@ -54,6 +58,7 @@ def calibrate(
         replay_tokens = DEFAULT_SIZE.replay_tokens if replay_tokens is None else replay_tokens
         heldout_tokens = DEFAULT_SIZE.heldout_tokens if heldout_tokens is None else heldout_tokens
         identical_tokens = DEFAULT_SIZE.identical_tokens if identical_tokens is None else identical_tokens
+        set_placement(rpc_workers, n_gpu_layers, tensor_split)
         model_path = resolve_model(model)
         try:
             level_list = tuple(sorted({float(q) for q in levels.split(",")}))

@@ -27,7 +27,15 @@ PackOpt = Annotated[str | None, typer.Option("--pack", show_default=False,
                                              help="pack GGUF (default: MODEL.specee.gguf beside the model, else a shipped one)")]
 NPredict = Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate at most (-1: until the context is full)")]
 CtxSize = Annotated[int, typer.Option("-c", "--ctx-size", help="context size in tokens (0: the model's)")]
-GpuLayers = Annotated[str, typer.Option("-ngl", "--n-gpu-layers", help="layers to offload to the GPU: a number, or all")]
+GpuLayers = Annotated[str | None, typer.Option("-ngl", "--n-gpu-layers", show_default=False,
+                                                help="layers to offload to the GPU or the --rpc workers: a number, or all"
+                                                     " (default: all with --rpc, else 0)")]
+Rpc = Annotated[str | None, typer.Option("--rpc", show_default=False, help=(
+    "comma-separated RPC workers (HOST:PORT, each running `specee-edge rpc-worker`): the offloaded layers go to them,"
+    " as llama.cpp's --rpc; the first layers stay on this machine. RPC has no authentication: trusted networks only"))]
+TensorSplit = Annotated[str | None, typer.Option("-ts", "--tensor-split", show_default=False, help=(
+    "the offloaded layers' shares per device, comma-separated, in llama.cpp's order (the --rpc workers first),"
+    " e.g. 3,1 (default: by each device's free memory)"))]
 Threads = Annotated[int | None, typer.Option("-t", "--threads", show_default=False, help="CPU threads (default: cores, at most 8)")]
 Seed = Annotated[int, typer.Option("-s", "--seed", help="sampling seed (-1: random)")]
 Temp = Annotated[float, typer.Option("--temp", help="temperature (0: greedy)")]
@@ -75,6 +83,8 @@ class EngineOptions:
     quality: str | None
     threshold: float | None
     early_exit: bool
+    rpc: str | None = None
+    tensor_split: str | None = None
 
 
 def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str, str | None]:
@@ -94,8 +104,8 @@ def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str,
     label = opts.model or _registry_name(model_path) or str(model_path)
     if opts.threshold is not None and not 0.0 <= opts.threshold <= 1.0:
         raise SpecEEError(f"--threshold is a probability: 0..1, got {opts.threshold:g}")
-    config = EngineConfig(n_ctx=opts.n_ctx, n_threads=opts.threads or default_threads(),
-                          n_gpu_layers=parse_gpu_layers(opts.n_gpu_layers), kv_mode=opts.kv_mode,
+    set_placement(opts.rpc, opts.n_gpu_layers, opts.tensor_split)
+    config = EngineConfig(n_ctx=opts.n_ctx, n_threads=opts.threads or default_threads(), kv_mode=opts.kv_mode,
                           quality=parse_quality(opts.quality), threshold=opts.threshold, early_exit=opts.early_exit)
     pack = opts.pack if opts.pack is not None else AUTO
     notice = None
@@ -121,6 +131,20 @@ def _registry_name(model_path: Path) -> str | None:
         return next((e.name for e in load_registry().values() if pulled_path(e) == model_path), None)
     except (SpecEEError, OSError, ValueError):
         return None
+
+
+def set_placement(rpc_workers: str | None, n_gpu_layers: str | None, tensor_split: str | None) -> None:
+    """-ngl, -ts and --rpc: where every model this command loads puts its layers (the workers are connected now,
+    so that one that is not there is an error before anything loads)."""
+    from specee_edge.runtime import rpc
+
+    endpoints = rpc.parse_endpoints(rpc_workers) if rpc_workers is not None else ()
+    layers = parse_gpu_layers(n_gpu_layers if n_gpu_layers is not None else "all" if endpoints else "0")
+    try:
+        shares = tuple(float(x) for x in tensor_split.split(",")) if tensor_split else ()
+    except ValueError:
+        raise SpecEEError(f"-ts/--tensor-split takes comma-separated shares such as 3,1, got {tensor_split!r}") from None
+    rpc.set_placement(endpoints, rpc.Offload(layers, shares))
 
 
 def parse_gpu_layers(value: str) -> int:
@@ -159,7 +183,9 @@ def chat(
     pack: PackOpt = None,
     n_predict: NPredict = 512,
     ctx_size: CtxSize = 4096,
-    n_gpu_layers: GpuLayers = "0",
+    n_gpu_layers: GpuLayers = None,
+    rpc_workers: Rpc = None,
+    tensor_split: TensorSplit = None,
     threads: Threads = None,
     seed: Seed = -1,
     temp: Temp = 0.8,
@@ -183,7 +209,7 @@ def chat(
 
     try:
         opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
-                             quality, threshold, not no_early_exit)
+                             quality, threshold, not no_early_exit, rpc_workers, tensor_split)
         settings = ReplSettings(sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed), n_predict,
                                 system_prompt, chat_template_text(chat_template), verbose, color_exits)
         engine, label, notice = load_engine(opts, strict_pack=False)
@@ -231,7 +257,9 @@ def generate(
     pack: PackOpt = None,
     n_predict: NPredict = 512,
     ctx_size: CtxSize = 4096,
-    n_gpu_layers: GpuLayers = "0",
+    n_gpu_layers: GpuLayers = None,
+    rpc_workers: Rpc = None,
+    tensor_split: TensorSplit = None,
     threads: Threads = None,
     seed: Seed = -1,
     temp: Temp = 0.8,
@@ -254,7 +282,7 @@ def generate(
     try:
         text = _prompt_text(prompt, file)
         opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
-                             quality, threshold, not no_early_exit)
+                             quality, threshold, not no_early_exit, rpc_workers, tensor_split)
         sampling = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
         template = chat_template_text(chat_template)
         engine, _, notice = load_engine(opts, strict_pack=True)

@@ -10,7 +10,8 @@ import typer
 
 from specee_edge.cli.app import app, console, fail
 from specee_edge.cli.chat import (ChatTemplate, CtxSize, EngineOptions, GpuLayers, KvModeOpt, ModelArg, ModelOpt,
-                                  PackOpt, Quality, Threads, chat_template_text, load_engine, pick_model)
+                                  PackOpt, Quality, Rpc, TensorSplit, Threads, chat_template_text, load_engine,
+                                  pick_model)
 from specee_edge.errors import SpecEEError
 
 
@@ -22,7 +23,9 @@ def serve(
     host: Annotated[str, typer.Option("--host", help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="port to listen on")] = 8080,
     ctx_size: CtxSize = 4096,
-    n_gpu_layers: GpuLayers = "0",
+    n_gpu_layers: GpuLayers = None,
+    rpc_workers: Rpc = None,
+    tensor_split: TensorSplit = None,
     threads: Threads = None,
     quality: Quality = None,
     kv_mode: KvModeOpt = None,
@@ -46,7 +49,7 @@ def serve(
     try:
         listener = _listen(host, port)
         opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads,
-                             kv_mode.value if kv_mode else None, quality, None, True)
+                             kv_mode.value if kv_mode else None, quality, None, True, rpc_workers, tensor_split)
         template = chat_template_text(chat_template)
         engine, label, notice = load_engine(opts, strict_pack=False)
     except SpecEEError as e:

@@ -56,7 +56,7 @@ class EngineConfig:
     n_ctx: int = 4096
     n_batch: int = 512
     n_threads: int = field(default_factory=default_threads)
-    n_gpu_layers: int = 0
+    n_gpu_layers: int | None = None  # None: the process's placement (none, or --rpc's: runtime.rpc.use_workers)
     kv_mode: str | None = None  # None: DEFAULT_KV_MODE where the model allows it, else FALLBACK_KV_MODE
     quality: float | None = None    # the pack's quality level (agreement with the full model); None: its default
     threshold: float | None = None  # one threshold for every layer instead of the level's; above 1 never exits

@@ -19,6 +19,7 @@ from llama_cpp import llama_cpp as _llama
 from specee_edge.archs import SUPPORTED
 from specee_edge.errors import ContextFullError, DecodeCancelled, SpecEEError, UnsupportedModelError
 from specee_edge.exits import ExitKind
+from specee_edge.runtime import rpc
 from specee_edge.runtime._bindings import C, KV_MODES, MAX_CANDIDATES, Decision, TokenInfo, probe_callback_t
 from specee_edge.runtime.model import Model
 
@@ -109,6 +110,7 @@ class Context:
         params.swa_full = swa_full
         self._ctx = _llama.llama_init_from_model(model.handle, params)
         if not self._ctx:
+            rpc.check_workers(model.workers)
             raise SpecEEError(f"llama.cpp could not create a context of {n_ctx} tokens for {model.info.path}")
         self._mem = _llama.llama_get_memory(self._ctx)
         self.n_ctx = _llama.llama_n_ctx(self._ctx)
@@ -373,6 +375,7 @@ class Context:
             else:  # llama_batch_get_one asks for the logits of the chunk's last token
                 array = (_llama.llama_token * len(chunk))(*chunk)
                 rc = _llama.llama_decode(self._ctx, _llama.llama_batch_get_one(array, len(chunk)))
+            self._check_workers()
             self._raise_callback_error()
             if rc == 1:
                 raise ContextFullError("context full: no KV cache slot for the batch")
@@ -413,12 +416,21 @@ class Context:
     def resume(self) -> int | None:
         """Continue the last stopped token from the layer after its exit (probes still active)."""
         rc = C["llama_specee_resume"](self._ctx)
+        self._check_workers()
         self._raise_callback_error()
         if rc < 0:
             raise SpecEEError(f"llama_specee_resume failed ({rc})")
         if rc == 1:
             raise SpecEEError("nothing to resume: the last token did not stop early")
         return self.exit_layer
+
+    def _check_workers(self) -> None:
+        """With layers on RPC workers: wait for the decode's remote work (llama_decode returns before an async
+        backend is done, and the logits come back after it), so that a step's time holds it and a worker lost
+        during it is seen now; a lost worker's results read as zeros, so nothing it returned may be used."""
+        if self.model.workers:
+            _llama.llama_synchronize(self._ctx)
+            rpc.check_workers(self.model.workers)
 
     def _raise_callback_error(self) -> None:
         if self._callback_error is not None:

@@ -59,6 +59,7 @@ from specee_edge.bootstrap import RESAMPLES, resampled_rows
 from specee_edge.exits import ExitKind
 from specee_edge.runtime.context import Context
 from specee_edge.runtime.model import Model
+from specee_edge.runtime.rpc import Replies
 
 STOP_FRACTIONS = (0.25, 0.5, 0.75)
 
@@ -68,6 +69,7 @@ class Timing:
     steps: int = 0
     seconds: float = 0.0
     by_prompt: list[list[float]] = field(default_factory=list)  # [steps, seconds] of each prompt begun
+    replies: Replies = field(default_factory=Replies)  # what the steps waited for from RPC workers (--rpc)
 
     def begin_prompt(self) -> None:
         self.by_prompt.append([0, 0.0])

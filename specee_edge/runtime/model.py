@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import numbers
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +13,7 @@ from llama_cpp import llama_cpp as _llama
 
 from specee_edge.errors import ModelLoadError, SpecEEError
 from specee_edge.gguf_index import check_gguf_file
+from specee_edge.runtime import rpc
 from specee_edge.runtime._bindings import C
 from specee_edge.runtime.logging import quiet_llama_logs
 
@@ -48,13 +49,32 @@ class ModelInfo:
 class Model:
     """A llama_model loaded from a GGUF file (freed by close() or when collected)."""
 
-    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0):
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int | None = None,
+                 tensor_split: Sequence[float] | None = None):
+        """n_gpu_layers: the last layers that go to the devices (GPUs, RPC workers added with
+        runtime.rpc.add_workers); tensor_split: their shares per device, in llama.cpp's device order
+        (RPC workers first), as llama.cpp's -ts (empty: by each device's free memory). None: the
+        process's placement (rpc.default_offload(): none unless --rpc set one)."""
         path = check_gguf_file(path)
         quiet_llama_logs()
+        offload = rpc.default_offload()
+        n_gpu_layers = offload.n_gpu_layers if n_gpu_layers is None else n_gpu_layers
+        tensor_split = offload.tensor_split if tensor_split is None else tensor_split
+        self.n_gpu_layers = n_gpu_layers
         params = _llama.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        split = None
+        if tensor_split:
+            if len(tensor_split) > _llama.LLAMA_MAX_DEVICES or min(tensor_split) < 0 or not sum(tensor_split) > 0:
+                raise ModelLoadError(f"--tensor-split takes at most {_llama.LLAMA_MAX_DEVICES} shares >= 0, not all 0;"
+                                     f" got {','.join(f'{x:g}' for x in tensor_split)}")
+            split = (ctypes.c_float * _llama.LLAMA_MAX_DEVICES)(*tensor_split)
+            params.tensor_split = split  # read during the load only
+        # where the offloaded layers go; a decode checks that these still answer
+        self.workers = rpc.registered() if n_gpu_layers > 0 else ()
         self._model = _llama.llama_model_load_from_file(str(path).encode(), params)
         if not self._model:
+            rpc.check_workers(self.workers)
             raise ModelLoadError(f"llama.cpp could not load {path} (corrupt, truncated or unsupported GGUF)")
         self._vocab = _llama.llama_model_get_vocab(self._model)
         self.info = ModelInfo(

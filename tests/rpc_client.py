@@ -1,0 +1,90 @@
+"""The client side of tests/test_rpc.py, run in its own process: registering RPC workers with ggml lasts
+as long as the process, and the test process goes on to load models that must not see them.
+
+    python -m tests.rpc_client compare PACK N_GPU_LAYERS HOST:PORT,...   one JSON line: tokens, exits, replies
+    python -m tests.rpc_client kill PACK N_GPU_LAYERS HOST:PORT,...      waits for a line on stdin mid-reply
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+from specee_edge.engine import GREEDY, Engine, EngineConfig
+from specee_edge.errors import SpecEEError
+from specee_edge.pack import parse_quality
+from specee_edge.runtime import rpc
+
+QUESTIONS = ("Write a haiku about rain.",)  # its answers exit on both sides of the split
+MODES = {"plain": None, "lossy": "0.9", "exact": "exact"}  # the shipped pack's 0.9 level; exact as the test adds it
+TOKENS = 16
+THREADS = 1  # the workers run a thread each: two more would wait on each other on a busy 2-core machine
+
+
+def answer(engine: Engine, mode: str, question: str, max_tokens: int = TOKENS) -> dict:
+    engine.set_early_exit(MODES[mode] is not None)
+    if MODES[mode] is not None:
+        engine.set_quality(parse_quality(MODES[mode]))
+    engine.reset()
+    prompt = engine.tokenize(engine.format_chat([{"role": "user", "content": question}]))
+    records = list(engine.stream(prompt, max_tokens=max_tokens, sampling=GREEDY))
+    return {"tokens": [r.id for r in records], "exits": [r.exit_layer for r in records],
+            "last_logits": hashlib.sha256(engine.logits().tobytes()).hexdigest()}  # the next token's, bit for bit
+
+
+def all_answers(engine: Engine) -> dict[str, list[dict]]:
+    return {mode: [answer(engine, mode, q) for q in QUESTIONS] for mode in MODES}
+
+
+def compare(pack: str, n_gpu_layers: int, endpoints: tuple[rpc.Endpoint, ...]) -> dict:
+    local = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS))
+    on_one_machine = all_answers(local)
+    local.close()
+    rpc.set_placement(endpoints, rpc.Offload(n_gpu_layers, (1.0,) * len(endpoints)))
+    split = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS))
+    across, used = {}, {}
+    for mode in MODES:
+        start = rpc.replies(endpoints)
+        across[mode] = [answer(split, mode, q) for q in QUESTIONS]
+        used[mode] = rpc.replies(endpoints) - start
+    bare_ms = [rpc.round_trip_ms(e) for e in endpoints]
+    split.close()
+    steps = {mode: sum(len(a["tokens"]) for a in across[mode]) for mode in MODES}
+    return {"local": on_one_machine, "rpc": across,
+            "replies_per_token": {m: used[m].count / steps[m] for m in MODES},
+            "wait_ms_per_token": {m: used[m].wait_ms / steps[m] for m in MODES},
+            "bare_round_trip_ms": bare_ms, "n_layer": split.n_layer}
+
+
+def kill(pack: str, n_gpu_layers: int, endpoints: tuple[rpc.Endpoint, ...]) -> dict:
+    rpc.set_placement(endpoints, rpc.Offload(n_gpu_layers, (1.0,) * len(endpoints)))
+    engine = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS))
+    engine.set_quality(parse_quality("0.9"))
+    prompt = engine.tokenize(engine.format_chat([{"role": "user", "content": QUESTIONS[0]}]))
+    stream = engine.stream(prompt, max_tokens=64, sampling=GREEDY)
+    first = [next(stream).id for _ in range(4)]
+    print("mid-reply", flush=True)
+    sys.stdin.readline()  # the test kills a worker now
+    errors = []
+    try:
+        for _ in stream:
+            pass
+    except SpecEEError as e:
+        errors.append(f"{type(e).__name__}: {e}")
+    try:
+        engine.generate(prompt, max_tokens=4, sampling=GREEDY)
+    except SpecEEError as e:
+        errors.append(f"{type(e).__name__}: {e}")
+    engine.close()
+    rpc.set_placement((), rpc.Offload())  # layers on this machine again: a fresh engine works
+    local = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS))
+    after = local.generate(prompt, max_tokens=8, sampling=GREEDY).tokens
+    local.close()
+    return {"first": first, "errors": errors, "local_after": after}
+
+
+if __name__ == "__main__":
+    command, pack_path, layers, workers = sys.argv[1:5]
+    run = {"compare": compare, "kill": kill}[command]
+    print(json.dumps(run(pack_path, int(layers), rpc.parse_endpoints(workers))), flush=True)
