@@ -13,7 +13,7 @@ from llama_cpp import Llama
 from typer.testing import CliRunner
 
 from specee_edge.bench.quality import repetition
-from specee_edge.bench.run import bench_qualities, pick_prompts
+from specee_edge.bench.run import NO_PACK, bench_qualities, pick_prompts
 from specee_edge.bench.runner import VanillaLane
 from specee_edge.data.prompts import Prompt, bench_prompts
 from specee_edge.cli import app
@@ -74,8 +74,8 @@ def test_json_has_every_documented_key(bench_run):
     top, per_mode = documented_keys()
     assert top and per_mode
     assert set(data) == top
-    assert set(data["modes"]) == {DEFAULT_KV_MODE}
-    assert set(data["modes"][DEFAULT_KV_MODE]) == per_mode
+    assert set(data["modes"]) == {DEFAULT_KV_MODE, NO_PACK}  # the pack's default level, and exact mode without it
+    assert set(data["modes"][DEFAULT_KV_MODE]) == per_mode and not data["modes"][NO_PACK]["pack"]
     assert set(data["ms_per_token"]) == {"draft", "layers", "predictor", "verify", "batch", "other", "sample"}
     default = read_pack(SHIPPED_PACK).default_quality
     assert data["quality"] == data["default_quality"] == default

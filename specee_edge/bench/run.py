@@ -60,7 +60,7 @@ class BenchConfig:
     ppl_tokens: int = 0              # held-out tokens for perplexity; 0: all of them
     sampled: bool = True             # a second pass with chat's default sampling (seeded per prompt)
     peer: bool = True                # llama-cpp-python's prompt-lookup speculative decoding as a lane
-    no_pack_lane: bool = True        # a lane of exact mode without the pack: prompt-lookup drafts, what any GGUF gets
+    lookup_lane: bool = True         # a lane of exact mode without the pack: prompt-lookup drafts, what any GGUF gets
     seed: int = 0                    # the sampled pass's seed (prompt i draws from seed + i in every lane)
     command: str = ""
 
@@ -107,7 +107,7 @@ def load_engines(config: BenchConfig, qualities: Sequence[float | None]) -> list
                     n_ctx=ENGINE_CTX, n_threads=config.threads, kv_mode=mode, quality=quality,
                     threshold=config.threshold, native=native))
                 engines.append((mode if native else f"{mode}/python", engine))
-    if config.no_pack_lane:
+    if config.lookup_lane:
         engines.append((NO_PACK, Engine(config.model, pack=None, config=EngineConfig(n_ctx=ENGINE_CTX, n_threads=config.threads))))
     return engines
 

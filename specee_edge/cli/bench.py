@@ -59,6 +59,7 @@ def bench(
     python_policy: Annotated[bool, typer.Option("--python-policy", help="also run each KV mode with the Python exit policy (MODE/python)")] = False,
     sampled: Annotated[bool, typer.Option("--sampled/--greedy-only", help="also decode with chat's default sampling (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05), seeded per prompt")] = True,
     peer: Annotated[bool, typer.Option("--peer/--no-peer", help="a lane of llama-cpp-python's own speculative decoding with prompt lookup (num_pred_tokens=2)")] = True,
+    lookup_lane: Annotated[bool, typer.Option("--lookup-lane/--no-lookup-lane", help="a lane of exact mode without the pack: prompt-lookup drafts only, what any GGUF gets")] = True,
     seed: Annotated[int, typer.Option("-s", "--seed", help="the sampled pass's seed: prompt i draws from seed + i in every lane")] = 0,
     json_path: Annotated[Path | None, typer.Option("--json", help="write the results as JSON here")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="write a PNG here: speedup against agreement and perplexity, the exit layers")] = None,
@@ -79,7 +80,7 @@ def bench(
         config = BenchConfig(
             model=resolve_model(model), pack=pack or AUTO, prompt_set=prompts, num_prompts=num_prompts,
             tokens=tokens, kv_modes=modes, threads=threads or default_threads(), quality=quality, threshold=threshold,
-            ppl_tokens=ppl_tokens, python_policy=python_policy, sampled=sampled, peer=peer, seed=seed, command=" ".join(["specee-edge", *sys.argv[1:]]),
+            ppl_tokens=ppl_tokens, python_policy=python_policy, sampled=sampled, peer=peer, lookup_lane=lookup_lane, seed=seed, command=" ".join(["specee-edge", *sys.argv[1:]]),
         )
         columns = (TextColumn("{task.description:>9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=err_console, transient=True, auto_refresh=False) as progress:
