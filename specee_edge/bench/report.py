@@ -268,7 +268,7 @@ class BenchResult:
     @staticmethod
     def level_label(m: ModeResult) -> str:
         if not m.pack:
-            return "exact, no pack"
+            return m.kv_mode  # bench.run.NO_PACK: exact mode without the pack
         if m.quality is None:
             return m.kv_mode
         return f"{m.kv_mode}@exact" if m.exact else f"{m.kv_mode}@{m.quality:g}"
