@@ -19,6 +19,7 @@ from specee_edge.runtime import rpc
 QUESTIONS = ("Write a haiku about rain.",)  # its answers exit on both sides of the split
 MODES = {"plain": None, "lossy": "0.9", "exact": "exact"}  # the shipped pack's 0.9 level; exact as the test adds it
 TOKENS = 16
+# engines draft at every chance (speculation="always"): the two runs must not choose by what steps cost
 THREADS = 1  # the workers run a thread each: two more would wait on each other on a busy 2-core machine
 
 
@@ -29,7 +30,9 @@ def answer(engine: Engine, mode: str, question: str, max_tokens: int = TOKENS) -
     engine.reset()
     prompt = engine.tokenize(engine.format_chat([{"role": "user", "content": question}]))
     records = list(engine.stream(prompt, max_tokens=max_tokens, sampling=GREEDY))
-    return {"tokens": [r.id for r in records], "exits": [r.exit_layer for r in records],
+    # where each token's step left: a lossy exit's layer, or where an accepted draft's step exited (exact mode)
+    return {"tokens": [r.id for r in records], "exits": [r.exit_layer if r.draft_layer is None else r.draft_layer
+                                                         for r in records],
             "last_logits": hashlib.sha256(engine.logits().tobytes()).hexdigest()}  # the next token's, bit for bit
 
 
@@ -38,11 +41,11 @@ def all_answers(engine: Engine) -> dict[str, list[dict]]:
 
 
 def compare(pack: str, n_gpu_layers: int, endpoints: tuple[rpc.Endpoint, ...]) -> dict:
-    local = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS))
+    local = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS, speculation="always"))
     on_one_machine = all_answers(local)
     local.close()
     rpc.set_placement(endpoints, rpc.Offload(n_gpu_layers, (1.0,) * len(endpoints)))
-    split = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS))
+    split = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS, speculation="always"))
     across, used = {}, {}
     for mode in MODES:
         start = rpc.replies(endpoints)
@@ -59,7 +62,7 @@ def compare(pack: str, n_gpu_layers: int, endpoints: tuple[rpc.Endpoint, ...]) -
 
 def kill(pack: str, n_gpu_layers: int, endpoints: tuple[rpc.Endpoint, ...]) -> dict:
     rpc.set_placement(endpoints, rpc.Offload(n_gpu_layers, (1.0,) * len(endpoints)))
-    engine = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS))
+    engine = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS, speculation="always"))
     engine.set_quality(parse_quality("0.9"))
     prompt = engine.tokenize(engine.format_chat([{"role": "user", "content": QUESTIONS[0]}]))
     stream = engine.stream(prompt, max_tokens=64, sampling=GREEDY)
@@ -78,7 +81,7 @@ def kill(pack: str, n_gpu_layers: int, endpoints: tuple[rpc.Endpoint, ...]) -> d
         errors.append(f"{type(e).__name__}: {e}")
     engine.close()
     rpc.set_placement((), rpc.Offload())  # layers on this machine again: a fresh engine works
-    local = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS))
+    local = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS, speculation="always"))
     after = local.generate(prompt, max_tokens=8, sampling=GREEDY).tokens
     local.close()
     return {"first": first, "errors": errors, "local_after": after}

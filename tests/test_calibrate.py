@@ -161,7 +161,7 @@ def test_built_in_prompt_sets():
     prompts = load_prompts()
     assert len(prompts) >= 100
     assert {p.category for p in prompts} >= {"chat", "explain", "code", "math", "summarize"}
-    assert {p.category for p in bench_prompts("all")} == {"chat", "code", "math", "summarize"}
+    assert {p.category for p in bench_prompts("all")} == {"chat", "code", "math", "summarize", "edit"}
     with pytest.raises(SpecEEError, match="unknown prompt set"):
         bench_prompts("poetry")
 

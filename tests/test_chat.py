@@ -180,7 +180,8 @@ def test_repl_multiline_history_and_exits(env, bare_model):
 def test_repl_ctrl_d_and_no_pack_notice(env, bare_model):
     term = Terminal([CLI, "chat", "-m", bare_model, *FAST], env)
     model = re.escape(bare_model)
-    term.expect(rf"early exit off: no pack for {model}; make one with `specee-edge calibrate {model}`")
+    term.expect(rf"no pack for {model}: exact mode with prompt-lookup drafts only; `specee-edge calibrate {model}`"
+                " adds exit drafts and lossy quality levels")
     term.prompt()
     term.send("\x04")
     assert term.exit_code() == 0
@@ -245,9 +246,9 @@ def test_slash_commands_in_process(engine):
     for bad in ("/set top_k many", "/set bogus 1", "/early-exit sideways", "/show nothing"):
         assert repl.command(bad)  # one error line, the REPL goes on
     repl.command("/set threshold 0.5")  # no pack here: refused
-    repl.command("/early-exit on")
+    repl.command("/early-exit on")  # no pack here: exact mode with prompt-lookup drafts, no error
     errors = [line for line in out.getvalue().splitlines() if line.startswith("error:")]
-    assert len(errors) == 6, errors
+    assert len(errors) == 5, errors
     assert repl.command("/clear") and repl.messages == [] and engine.ctx.n_past == 0
     assert not repl.command("/bye")
 
@@ -297,7 +298,8 @@ def test_bad_pack(env):
     assert len(lines) == 1 and lines[0].startswith("error: cannot read pack conftest.py: ")
     result = run_cli("chat", "-n", "2", *FAST, *bad, env=env, stdin="/exit\n")  # the REPL carries on without it
     assert result.returncode == 0, result.stderr
-    assert re.search(r"\ncannot read pack conftest\.py: .*; early exit off\n", result.stdout)
+    assert re.search(r"\ncannot read pack conftest\.py: .*; early exit off \(exact mode with prompt-lookup drafts only\)\n",
+                     result.stdout)
 
 
 # --- with the shipped pack: exit statistics ----------------------------------------------------
@@ -319,8 +321,8 @@ def test_repl_exit_stats_with_the_shipped_pack(env):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert re.search(rf"pack {re.escape(PACK.name)}\) · early exit on, quality exact\n", out) and "exit depth: 0-14" in out
-    # the shipped pack's exact level decodes plainly on this model (drafting was measured slower)
-    assert re.search(r"\| avg exit layer [\d.]+/29 \| exit \d+% \| quality exact \]", out)
+    # exact mode's footer: what its controller chose (plain steps, lookup rounds), then the level
+    assert re.search(r"\| exact: plain \d+%.*\| quality exact \]", out)
     assert re.search(r"predictor_calls_per_token\s+[\d.]+", out)
     assert re.search(r"pack\s+" + re.escape(str(PACK)), out)
     assert "early exit off ]" in out  # the reply after /early-exit off
