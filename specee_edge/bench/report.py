@@ -275,7 +275,7 @@ class BenchResult:
 
     def _machinery(self) -> Table:
         table = Table(title="SpecEE")
-        table.add_column("lane", style="bold")
+        table.add_column("lane", style="bold", min_width=18)  # the metric names whole, however many lanes
         for m in self.modes:
             table.add_column(self.lane(m), justify="right")
         rows = [
