@@ -242,9 +242,9 @@ class Controller:
         else:
             if outcome.drafts:
                 self.batch.add(outcome.drafts + 1, outcome.batch_ms)
-                for key in (self._request, self._lifetime):
-                    key.setdefault((plan.choice, outcome.greedy), AcceptanceCount()).add(
-                        outcome.accepted, outcome.drafts, decay=ACCEPT_DECAY if key is self._request else 1.0)
+                for counts, decay in ((self._request, ACCEPT_DECAY), (self._lifetime, 1.0)):
+                    counts.setdefault((plan.choice, outcome.greedy), AcceptanceCount()).add(
+                        outcome.accepted, outcome.drafts, decay=decay)
             if plan.choice == Choice.EXIT:
                 self.first_exits.add(float(outcome.full_step_ms is None))
                 for ms in outcome.draft_step_ms:

@@ -434,11 +434,12 @@ class Engine:
         else:
             records = [self._sample(self.step(token, exits=False), draw)]
         first = records[0]
+        # a batch's price includes drawing its rows, as a plain step's includes drawing its one
+        batch_ms = first.batch_ms + sum(r.sample_ms for r in records) if first.round_drafts else 0.0
         first.round_explored = plan.explore
         first.explore_ms = self.controller.observe(Outcome(
             plan, emitted=len(records), ms=(time.perf_counter() - t0) * 1e3, drafts=first.round_drafts,
-            accepted=sum(r.source == TokenSource.ACCEPTED for r in records), batch_ms=first.batch_ms + sum(
-                r.sample_ms for r in records) if first.round_drafts else 0.0,
+            accepted=sum(r.source == TokenSource.ACCEPTED for r in records), batch_ms=batch_ms,
             draft_step_ms=tuple(draft_step_ms), full_step_ms=full_step_ms, greedy=draw.params.greedy))
         return records
 
@@ -519,14 +520,13 @@ class Engine:
         for row in range(len(batch)):
             record = self._sample(steps[row] if row < len(steps) else TokenRecord(), draw, row)
             records.append(record)
-            record.draft_layer, record.exit_layer, record.exit_kind = record.exit_layer, None, ExitKind.NONE
+            drafted_at, record.exit_layer, record.exit_kind = record.exit_layer, None, ExitKind.NONE  # the full model's
             if row < len(drafts) and record.id == drafts[row]:
-                record.source = TokenSource.ACCEPTED
+                record.source, record.draft_layer = TokenSource.ACCEPTED, drafted_at
                 if self.model.is_eog(record.id):
                     break
                 continue
             record.source = TokenSource.BONUS if row == len(drafts) else TokenSource.CORRECTION
-            record.draft_layer = None  # the full model's correction of a draft, not a draft
             break
         charge(records[-1], steps[len(records) :])  # drafting steps past the rejection (or an accepted EOS)
         # the cache keeps `token` and every emitted token but the last; the next draft reads the hidden

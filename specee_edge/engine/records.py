@@ -43,9 +43,9 @@ class TokenRecord:
     batch_ms: float = 0.0      # exact mode, on the first token of a round: its verification batch
     round_lookup: bool = False  # ... whether its drafts came from prompt lookup (else from early exits)
     round_emitted: int = 0     # ... the tokens the round emitted
-    draft_layer: int | None = None  # exact mode, an accepted draft: the layer its drafting step exited at
     round_explored: bool = False  # ... whether the controller took it to measure that choice again (controller.py)
     explore_ms: float = 0.0    # ... what that exploration cost beyond the choice it displaced
+    draft_layer: int | None = None  # exact mode, an accepted draft: the layer its drafting step exited at
     logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
