@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specee_edge.engine.controller import (EXPLORE_WAIT, MAX_EXPLORE_WAIT, PRIOR_ROW_COST, AcceptanceCount, BatchCosts,
-                                           Choice, Controller, ExitPrior, Outcome, Plan)
+from specee_edge.engine.controller import (EXPLORE_SHARE, EXPLORE_WAIT, MAX_EXPLORE_WAIT, PRIOR_ROW_COST, AcceptanceCount,
+                                           BatchCosts, Choice, Controller, ExitPrior, Outcome, Plan)
 
 
 def measured(plain_ms: float, batch_ms: dict[int, float]) -> Controller:
@@ -45,12 +45,25 @@ def test_batch_costs_interpolate_and_extrapolate():
     curve = costs.curve(9, 10.0)
     assert curve[1] == 10.0 and curve[5] == 30.0
     assert curve[3] == pytest.approx(20.0)  # between a plain step (1 row) and 5 rows
-    assert curve[9] == pytest.approx(50.0)  # beyond: the slope of the last two points
+    # beyond one measured batch: the prior's quarter step per row, not the steep line from a plain step
+    assert curve[9] == pytest.approx(30.0 + 4 * PRIOR_ROW_COST * 10.0)
     costs.add(2, 11.0)
-    assert costs.curve(9, 10.0)[9] == pytest.approx(30.0 + 4 * (19.0 / 3))
+    assert costs.curve(9, 10.0)[9] == pytest.approx(30.0 + 4 * (19.0 / 3))  # the last two batches' slope
+    gpu = BatchCosts()  # a batch of 2 rows at about a step: later rows no dearer than that one was
+    gpu.add(2, 10.2)
+    assert gpu.curve(9, 10.0)[9] == pytest.approx(10.2 + 7 * 0.2)
     cheap = BatchCosts()  # a machine where a batch of 2 rows costs less than a step was measured to (noise, or load)
     cheap.add(2, 8.0)
     assert cheap.curve(4, 10.0)[2:] == [8.0, 8.0, 8.0]  # measured as it is, never extrapolated downwards
+
+
+def test_a_dear_first_batch_still_tries_a_long_round_where_everything_is_accepted():
+    """On a CPU a batch of 2 rows costs much more than a step and later rows little (gemma-3-270m here: 2 rows
+    2.5 steps): a looping answer must still get a long round to measure, not be priced off by the first jump."""
+    controller = measured(10.0, {2: 25.0})
+    accept(controller, Choice.LOOKUP, 8, 8, rounds=10)
+    chosen = plan(controller)
+    assert chosen.choice == Choice.LOOKUP and chosen.drafts == 8 and not chosen.explore
 
 
 def test_first_round_is_plain_until_a_step_is_measured():
@@ -126,27 +139,63 @@ def test_a_request_starts_from_what_earlier_ones_accepted_and_then_its_own():
     assert controller.acceptance(Choice.LOOKUP, True) > 0.9
 
 
-def test_exploration_is_rare_and_backs_off_when_it_loses():
-    controller = measured(10.0, {2: 19.0, 3: 28.0, 9: 82.0})
+def plain_rounds(controller: Controller, n: int, ms: float = 10.0, lookup: int = 1) -> list[Plan]:
+    """n rounds as planned, a plain one costing `ms`, a lookup one of one draft rejected costing 1.9 of it."""
+    plans = []
+    for _ in range(n):
+        chosen = plan(controller, lookup=lookup, limit=1)
+        batch_ms = 1.9 * ms if chosen.drafts else 0.0
+        controller.observe(Outcome(chosen, emitted=1, ms=batch_ms or ms, drafts=chosen.drafts, batch_ms=batch_ms))
+        plans.append(chosen)
+    return plans
+
+
+def test_exploration_spends_a_small_budget_and_backs_off_when_it_loses():
+    controller = measured(10.0, {2: 19.0})
     accept(controller, Choice.LOOKUP, 0, 1, rounds=10)
-    plans = [plan(controller, lookup=1) for _ in range(EXPLORE_WAIT * 3)]
-    explored = [i for i, p in enumerate(plans) if p.explore]
-    assert explored and all(plans[i].choice == Choice.LOOKUP for i in explored)
-    assert len(explored) <= 3
-    # an exploration that loses again doubles the wait, up to MAX_EXPLORE_WAIT
-    lost = plans[explored[0]]
-    cost = controller.observe(Outcome(lost, emitted=1, ms=19.0, drafts=1, accepted=0, batch_ms=19.0))
+    controller.begin_request()
+    worst_loss = 19.0 - 10.0
+    # the budget grows by EXPLORE_SHARE of each round: none before it covers a rejected draft's batch
+    waited = int(worst_loss / (EXPLORE_SHARE * 10.0))
+    assert not any(p.explore for p in plain_rounds(controller, waited - 1))
+    plans = plain_rounds(controller, 600)
+    explored = [p for p in plans if p.explore]
+    assert explored and all(p.choice == Choice.LOOKUP and p.drafts == 1 for p in explored)
+    spent = sum(p.explore for p in plans) * worst_loss
+    assert spent <= EXPLORE_SHARE * 10.0 * (600 + waited) + worst_loss
+    # each exploration lost again: the wait doubled up to MAX_EXPLORE_WAIT
+    assert controller._wait[Choice.LOOKUP] == min(EXPLORE_WAIT * 2 ** len(explored), MAX_EXPLORE_WAIT)
+    cost = controller.observe(Outcome(explored[0], emitted=1, ms=19.0, drafts=1, accepted=0, batch_ms=19.0))
     assert cost == pytest.approx(19.0 - 10.0)
-    assert controller._wait[Choice.LOOKUP] == 2 * EXPLORE_WAIT
-    for _ in range(10):
-        controller.observe(Outcome(lost, emitted=1, ms=19.0, drafts=1, accepted=0, batch_ms=19.0))
-    assert controller._wait[Choice.LOOKUP] == MAX_EXPLORE_WAIT
+
+
+def test_an_exploration_is_shortened_to_what_the_budget_covers():
+    controller = measured(10.0, {2: 16.0, 9: 30.0})
+    accept(controller, Choice.LOOKUP, 1, 2, rounds=10)  # acceptance 0.5: 2 drafts would be lookup's best, 10.3 ms
+    controller.begin_request()
+    controller._waited[Choice.LOOKUP] = EXPLORE_WAIT
+    controller._explore_budget = 7.0  # covers a rejected batch of 2 rows (16 ms, 6 beyond a step), not of 3 (18)
+    chosen = plan(controller)
+    assert chosen.explore and chosen.choice == Choice.LOOKUP and chosen.drafts == 1
+    controller._waited[Choice.LOOKUP] = EXPLORE_WAIT
+    controller._explore_budget = 5.0  # covers none
+    assert not plan(controller).explore
+
+
+def test_a_new_request_starts_with_no_budget():
+    controller = measured(10.0, {2: 19.0})
+    accept(controller, Choice.LOOKUP, 0, 1, rounds=10)
+    plain_rounds(controller, 200)
+    controller.begin_request()
+    controller._waited[Choice.LOOKUP] = MAX_EXPLORE_WAIT
+    assert not plan(controller, lookup=1, limit=1).explore
 
 
 def test_exploration_notices_a_choice_that_starts_to_pay():
     """Batches were dear, then the machine changed (a GPU took over): exploring finds it and drafting resumes."""
     controller = measured(10.0, {2: 19.0})
-    accept(controller, Choice.LOOKUP, 1, 1, rounds=3)
+    accept(controller, Choice.LOOKUP, 1, 2, rounds=3)  # acceptance 0.5: 12.7 ms a token, plain steps win
+    assert plan(controller, lookup=1, limit=1).choice == Choice.PLAIN
     for _ in range(EXPLORE_WAIT * 8):
         chosen = plan(controller, lookup=1, limit=1)
         if chosen.choice == Choice.LOOKUP:
@@ -154,3 +203,21 @@ def test_exploration_notices_a_choice_that_starts_to_pay():
         else:
             controller.observe(Outcome(chosen, emitted=1, ms=10.0))
     assert plan(controller, lookup=1, limit=1).choice == Choice.LOOKUP
+
+
+def test_shadow_rounds_track_lookup_while_decoding_plainly():
+    """Drafts offered at plain steps are checked against what follows: an answer that starts copying its prompt
+    raises lookup's acceptance with no lookup round run, greedy and sampled apart."""
+    controller = measured(10.0, {2: 19.0})
+    controller.begin_request()
+    plain = Plan(Choice.PLAIN, 0, 10.0)
+    controller.watch_lookup(plain, [5, 6, 7], [9], greedy=True)  # the first draft was wrong
+    assert controller.acceptance(Choice.LOOKUP, True) == pytest.approx(0.0)
+    for _ in range(5):  # now each offer of three drafts comes true, one plain step at a time
+        controller.watch_lookup(plain, [1, 2, 3], [1], greedy=True)
+        controller.watch_lookup(plain, [7, 7], [2], greedy=True)  # a shadow pends: this offer is not taken
+        controller.watch_lookup(plain, [], [3], greedy=True)
+    assert controller.acceptance(Choice.LOOKUP, True) > 0.9
+    assert controller.acceptance(Choice.LOOKUP, False) == 0.5  # sampled requests: nothing seen, the prior
+    controller.watch_lookup(plain, [4, 5], [4, 6], greedy=False)  # a round's tokens all count
+    assert controller.acceptance(Choice.LOOKUP, False) == pytest.approx(0.5)

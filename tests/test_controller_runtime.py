@@ -14,6 +14,7 @@ import pytest
 
 from specee_edge.bench.quality import NEAR_TIE, divergence_margins
 from specee_edge.engine import GREEDY, Engine, EngineConfig, SamplingParams
+from specee_edge.engine.controller import EXPLORE_SHARE
 from specee_edge.engine.records import TokenSource
 from specee_edge.runtime import Context
 from specee_edge.runtime.context import SLOWDOWN_ENV
@@ -77,13 +78,13 @@ def test_dear_plain_steps_make_it_draft(dear_steps, sampling):
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_dear_batches_make_it_decode_plainly(dear_batches, sampling):
     """Batches three times as dear as here: after its first try, nearly every token is a plain step, and what
-    exploring costs stays a few per cent of the plain steps."""
+    exploring costs stays within its budget (EXPLORE_SHARE of the request's time; a point for timing noise)."""
     answer(dear_batches, sampling)  # a first request learns what batches cost on this "machine"
     _, stats = answer(dear_batches, sampling)
     shares = stats.choice_shares()
     assert shares["plain"] >= 0.9, (shares, stats.controller)
     plain_ms = stats.controller["plain_ms"]
-    assert stats.explore_ms <= 0.03 * plain_ms * stats.n_decode + plain_ms, (stats.explore_ms, plain_ms)
+    assert stats.explore_ms <= (EXPLORE_SHARE + 0.01) * plain_ms * stats.n_decode, (stats.explore_ms, plain_ms)
 
 
 def test_the_controller_keeps_the_answer_exact(default_model, dear_steps):

@@ -18,14 +18,21 @@ length win, as DEL picks a speculation length per context from the acceptance it
 
 - Costs (a plain step, a batch by its row count, a drafting step) are moving averages of what the engine's
   own rounds took, each with its sampling, so they follow the machine when its speed moves. A row count not
-  measured yet is interpolated between measured ones, or extrapolated from the last two; before any batch
-  has run, an extra row is guessed at a quarter of a step: an optimistic start, so that the first chance to
-  draft measures what batches really cost here.
+  measured yet is interpolated between measured ones, or extrapolated beyond them (BatchCosts.curve); before
+  any batch has run, an extra row is guessed at a quarter of a step: an optimistic start, so that the first
+  chance to draft measures what batches really cost here.
 - Acceptance is counted per kind of draft and per kind of decoding (greedy, sampled), over the recent rounds
   of the request (older rounds fade), starting from what earlier requests on this engine accepted.
+- Lookup drafts are offered at every round, taken or not: while the controller decodes plainly it checks them
+  against the tokens that follow (shadow rounds), so lookup's acceptance stays current at no cost. A drawn
+  token equals a draft exactly as often as in a real round, greedy or sampled.
 - A choice not taken for a while is tried once (exploration), so that a dropped choice that starts to pay is
-  noticed; an exploration that loses again waits twice as long for the next one, at most MAX_EXPLORE_WAIT
-  rounds. Its cost against the choice it displaced is counted (explore_ms).
+  noticed (a machine whose batches got cheaper, exits that now pay). Exploring spends from a budget that grows
+  by EXPLORE_SHARE of each round's time in the request and pays what a round lost against the choice it
+  displaced; a round is explored only when the budget covers its worst case (every draft rejected), shortened
+  to fit if need be. So explorations cost at most about EXPLORE_SHARE of a request's time, and on a machine
+  where drafting loses much they are rare. One that loses again waits twice as long for the next one, at most
+  MAX_EXPLORE_WAIT rounds. What they cost is counted (explore_ms).
 
 `always_draft` replaces the choice with classic speculative decoding's: draft at every chance, as many as allowed
 (lookup where the context matches, else exits), which is what llama.cpp's speculation does; still measured.
@@ -44,6 +51,7 @@ MAX_ACCEPTANCE = 0.97       # E(m) stays finite: no draft is ever certain
 PRIOR_ROW_COST = 0.25       # an extra row in a batch, in plain steps, before any batch was measured
 EXPLORE_WAIT = 16           # rounds a choice waits before it is tried again
 MAX_EXPLORE_WAIT = 256
+EXPLORE_SHARE = 0.02        # of a request's time, what explorations may spend beyond the choices they displace
 
 
 class Choice(str, Enum):
@@ -97,8 +105,20 @@ class BatchCosts:
 
     def curve(self, max_rows: int, plain_ms: float) -> list[float]:
         """The cost of 0 .. max_rows rows (index 0 unused): measured, else on the line between the nearest measured
-        row counts (a plain step is one row), beyond the last one on the line through the last two (never falling)."""
-        points = sorted([(1, plain_ms), *((r, c.value) for r, c in self.by_rows.items() if c.value is not None)])
+        row counts (a plain step is one row). Beyond the last measured batch, the slope of the last two batches;
+        with one batch measured, the slope from a plain step to it or a quarter of a step per row, whichever is
+        less (on a CPU a batch's second row costs much more than its later ones: the jump from one row to two is
+        no guide to the rest); never falling."""
+        measured = sorted((r, c.value) for r, c in self.by_rows.items() if c.value is not None)
+        points = [(1, plain_ms), *measured]
+        if len(measured) >= 2:
+            (r0, c0), (r1, c1) = measured[-2:]
+            beyond = max((c1 - c0) / (r1 - r0), 0.0)
+        elif measured:
+            (r1, c1), = measured
+            beyond = min(max((c1 - plain_ms) / (r1 - 1), 0.0), PRIOR_ROW_COST * plain_ms)
+        else:
+            beyond = PRIOR_ROW_COST * plain_ms
         costs = [0.0] * (max_rows + 1)
         j = 0  # points[j] is the last point at or below the row count at hand
         for rows in range(1, max_rows + 1):
@@ -107,13 +127,9 @@ class BatchCosts:
             r0, c0 = points[j]
             if j + 1 < len(points):
                 r1, c1 = points[j + 1]
-                slope = (c1 - c0) / (r1 - r0)
-            elif j >= 1:
-                r1, c1 = points[j - 1]
-                slope = max((c0 - c1) / (r0 - r1), 0.0)
+                costs[rows] = c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
             else:
-                slope = PRIOR_ROW_COST * plain_ms
-            costs[rows] = c0 + slope * (rows - r0)
+                costs[rows] = c0 + beyond * (rows - r0)
         return costs
 
     def snapshot(self) -> dict[int, float]:
@@ -160,12 +176,18 @@ class Controller:
         self._request: dict[tuple[Choice, bool], AcceptanceCount] = {}
         self._waited = {choice: 0 for choice in Choice}
         self._wait = {choice: EXPLORE_WAIT for choice in Choice}
+        self._explore_budget = 0.0       # ms this request may still lose to explorations
+        self._shadow: list[int] = []     # lookup drafts offered before a plain step, being checked
+        self._shadow_matched = 0         # ... how many of them the tokens decoded since have equalled
 
     # --- a request ---------------------------------------------------------------------------
 
     def begin_request(self) -> None:
-        """Acceptance starts again from what earlier requests accepted (a new answer repeats itself anew)."""
+        """Acceptance starts again from what earlier requests accepted (a new answer repeats itself anew), and the
+        exploration budget from nothing."""
         self._request = {}
+        self._explore_budget = 0.0
+        self._shadow, self._shadow_matched = [], 0
         for key, lifetime in self._lifetime.items():
             seen = lifetime.accepted + lifetime.rejected
             if seen > 0:
@@ -206,6 +228,22 @@ class Controller:
                 best = (m, price)
         return best
 
+    def _worst_ms(self, choice: Choice, drafts: int) -> float:
+        """What a round of `drafts` drafts costs when it emits a single token (every draft rejected)."""
+        batch = self.batch.curve(drafts + 1, self.plain.value)[drafts + 1]
+        if choice == Choice.LOOKUP:
+            return batch
+        step = self.draft_step.value if self.draft_step.value is not None else 0.8 * self.plain.value
+        full = self.full_step.value if self.full_step.value is not None else self.plain.value
+        return max(drafts * step + batch, full)
+
+    def _affordable(self, choice: Choice, drafts: int, best_price: float) -> int:
+        """The longest round of `choice`, up to `drafts`, whose worst case the exploration budget covers (0: none)."""
+        for m in range(drafts, 0, -1):
+            if self._worst_ms(choice, m) - best_price <= self._explore_budget:
+                return m
+        return 0
+
     # --- a round -----------------------------------------------------------------------------
 
     def plan(self, *, lookup_drafts: int, exits: bool, limit: int, greedy: bool) -> Plan:
@@ -222,29 +260,28 @@ class Controller:
             options[Choice.EXIT] = self._best(Choice.EXIT, limit, greedy)
         best = min(options, key=lambda c: options[c][1])
         best_price = options[best][1]
-        chosen, explore = best, False
+        chosen, (drafts, price) = best, options[best]
         for choice in options:
             if choice == best:
                 continue
             self._waited[choice] += 1
-            # a choice far dearer than the best waits longer in proportion: exploring it costs more
-            if not explore and self._waited[choice] >= self._wait[choice] * options[choice][1] / best_price:
-                chosen, explore = choice, True
+            if chosen == best and self._waited[choice] >= self._wait[choice]:
+                affordable = self._affordable(choice, max(options[choice][0], 1), best_price)
+                if affordable:
+                    chosen, drafts, price = choice, affordable, options[choice][1]
         self._waited[chosen] = 0
-        drafts, price = options[chosen]
-        return Plan(chosen, drafts, price, explore, best_price)
+        return Plan(chosen, drafts, price, chosen != best, best_price)
 
     def observe(self, outcome: Outcome) -> float:
         """Learn from a round; returns what an exploration cost beyond the choice it displaced (0 otherwise)."""
         plan = outcome.plan
+        self._explore_budget += EXPLORE_SHARE * outcome.ms
         if plan.choice == Choice.PLAIN:
             self.plain.add(outcome.ms)
         else:
             if outcome.drafts:
                 self.batch.add(outcome.drafts + 1, outcome.batch_ms)
-                for counts, decay in ((self._request, ACCEPT_DECAY), (self._lifetime, 1.0)):
-                    counts.setdefault((plan.choice, outcome.greedy), AcceptanceCount()).add(
-                        outcome.accepted, outcome.drafts, decay=decay)
+                self._count(plan.choice, outcome.greedy, outcome.accepted, outcome.drafts)
             if plan.choice == Choice.EXIT:
                 self.first_exits.add(float(outcome.full_step_ms is None))
                 for ms in outcome.draft_step_ms:
@@ -257,7 +294,27 @@ class Controller:
         _, price = self._best(plan.choice, max(plan.drafts, 1), outcome.greedy)
         lost = price > plan.best_ms_per_token
         self._wait[plan.choice] = min(self._wait[plan.choice] * 2, MAX_EXPLORE_WAIT) if lost else EXPLORE_WAIT
-        return outcome.ms - outcome.emitted * plan.best_ms_per_token
+        cost = outcome.ms - outcome.emitted * plan.best_ms_per_token
+        self._explore_budget -= cost
+        return cost
+
+    def watch_lookup(self, plan: Plan, offered: list[int], emitted: list[int], greedy: bool) -> None:
+        """Shadow rounds: the lookup drafts offered at a plain step are checked against the tokens decoded from
+        there on, and counted as the round that was not taken would have been (accepted while equal)."""
+        if plan.choice == Choice.PLAIN and offered and not self._shadow:
+            self._shadow, self._shadow_matched = list(offered), 0
+        for token in emitted:
+            if not self._shadow:
+                return
+            equal = token == self._shadow[self._shadow_matched]
+            self._shadow_matched += equal
+            if not equal or self._shadow_matched == len(self._shadow):
+                self._count(Choice.LOOKUP, greedy, self._shadow_matched, len(self._shadow))
+                self._shadow, self._shadow_matched = [], 0
+
+    def _count(self, choice: Choice, greedy: bool, accepted: int, drafts: int) -> None:
+        for counts, decay in ((self._request, ACCEPT_DECAY), (self._lifetime, 1.0)):
+            counts.setdefault((choice, greedy), AcceptanceCount()).add(accepted, drafts, decay=decay)
 
     def snapshot(self) -> dict:
         """What the controller has measured, for stats and the bench (ms)."""

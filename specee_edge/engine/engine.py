@@ -441,6 +441,7 @@ class Engine:
             plan, emitted=len(records), ms=(time.perf_counter() - t0) * 1e3, drafts=first.round_drafts,
             accepted=sum(r.source == TokenSource.ACCEPTED for r in records), batch_ms=batch_ms,
             draft_step_ms=tuple(draft_step_ms), full_step_ms=full_step_ms, greedy=draw.params.greedy))
+        self.controller.watch_lookup(plan, lookup, [r.id for r in records], draw.params.greedy)
         return records
 
     def _round_limit(self, p: int, budget: int) -> int:
