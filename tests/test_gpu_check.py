@@ -33,7 +33,8 @@ def test_the_pruned_sdist_keeps_what_the_build_reads(bundle, tmp_path):
     kept = ["CMakeLists.txt", "pyproject.toml", "README.md", "llama_cpp/llama.py", "vendor/llama.cpp/src/llama.cpp",
             "vendor/llama.cpp/cmake/license.cmake", "vendor/llama.cpp/ggml/src/ggml.c",
             "vendor/llama.cpp/ggml/src/ggml-cuda/mmq.cu", "vendor/llama.cpp/ggml/src/ggml-cpu/ops.cpp",
-            "vendor/llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp", "vendor/llama.cpp/vendor/nlohmann/json.hpp"]
+            "vendor/llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp", "vendor/llama.cpp/vendor/nlohmann/json.hpp",
+            "vendor/llama.cpp/ggml/src/ggml-vulkan/ggml-vulkan.cpp"]  # a patch edits it: kept, so that it applies
     dropped = ["docs/index.md", "tests/test_llama.py", "vendor/llama.cpp/models/ggml-vocab-llama.gguf",
                "vendor/llama.cpp/common/common.cpp", "vendor/llama.cpp/tools/server/server.cpp",
                "vendor/llama.cpp/ggml/src/ggml-vulkan/vulkan-shaders/add.comp",

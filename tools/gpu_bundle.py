@@ -6,6 +6,7 @@ The bundle folder (default .gpu-bundle/, ignored by git, carried beside the work
                                         tools/build_runtime.py uses (about a tenth of the 77 MB original):
                                         no docs, tests, examples, vocabularies, tools or llama.cpp's common
                                         library, and of ggml's backends only the CPU's, CUDA's, RPC's and BLAS's
+                                        (and the files of others that a patch edits)
     wheels/                             the Python packages such a machine lacks (py3-none-any wheels)
 
 The patches are not in it: build_runtime applies them from patches/ on the GPU machine, as here.
@@ -24,7 +25,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from build_runtime import cache_root, die, extract_sdist, fetch_sdist
+from build_runtime import cache_root, die, extract_sdist, fetch_sdist, patch_files
 
 REPO = Path(__file__).resolve().parent.parent
 # What the GPU image lacks of the package's requirements (its image holds numpy, pyyaml, tqdm, jinja2, ...):
@@ -50,11 +51,25 @@ def prune(source: Path) -> None:
     llama = source / "vendor" / "llama.cpp"
     remove_all_but(llama, LLAMA_KEEP)
     ggml_src = llama / "ggml" / "src"
+    patched = {llama / name for name in patched_files()}  # kept wherever they are, so that every patch applies
     for backend in ggml_src.glob("ggml-*/"):
-        if backend.name not in GGML_BACKENDS_KEEP:
-            shutil.rmtree(backend)
+        if backend.name in GGML_BACKENDS_KEEP:
+            continue
+        for path in sorted(backend.rglob("*"), reverse=True):  # files before their folders
+            if path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
+            elif not path.is_dir() and path not in patched:
+                path.unlink()
+        if backend.is_dir() and not any(backend.iterdir()):
+            backend.rmdir()
     for name in VENDOR_DROP:
         shutil.rmtree(llama / "vendor" / name, ignore_errors=True)
+
+
+def patched_files() -> set[str]:
+    """The files of llama.cpp (paths from its root) that patches/ edits."""
+    return {line.split()[1].removeprefix("b/") for patch in patch_files()
+            for line in patch.read_text().splitlines() if line.startswith("+++ ")}
 
 
 def pruned_sdist(out: Path) -> Path:
