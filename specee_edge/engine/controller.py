@@ -214,8 +214,7 @@ class Controller:
         a = min(max(self.acceptance(choice, greedy), 0.0), MAX_ACCEPTANCE)
         if choice == Choice.EXIT:
             q = self.first_exits.value if self.first_exits.value is not None else self.exit_prior.exit_share
-            step = self.draft_step.value if self.draft_step.value is not None else 0.8 * plain
-            full = self.full_step.value if self.full_step.value is not None else plain
+            step, full = self._exit_step_ms()
         best, tokens, term = (0, float("inf")), 1.0, 1.0
         for m in range(1, max_drafts + 1):
             term *= a
@@ -228,19 +227,22 @@ class Controller:
                 best = (m, price)
         return best
 
-    def _worst_ms(self, choice: Choice, drafts: int) -> float:
-        """What a round of `drafts` drafts costs when it emits a single token (every draft rejected)."""
-        batch = self.batch.curve(drafts + 1, self.plain.value)[drafts + 1]
-        if choice == Choice.LOOKUP:
-            return batch
-        step = self.draft_step.value if self.draft_step.value is not None else 0.8 * self.plain.value
-        full = self.full_step.value if self.full_step.value is not None else self.plain.value
-        return max(drafts * step + batch, full)
+    def _exit_step_ms(self) -> tuple[float, float]:
+        """An exit round's drafting step that exited, and its first step when that ran every layer (guesses from a
+        plain step until measured)."""
+        plain = self.plain.value
+        step = self.draft_step.value if self.draft_step.value is not None else 0.8 * plain
+        full = self.full_step.value if self.full_step.value is not None else plain
+        return step, full
 
     def _affordable(self, choice: Choice, drafts: int, best_price: float) -> int:
-        """The longest round of `choice`, up to `drafts`, whose worst case the exploration budget covers (0: none)."""
+        """The longest round of `choice`, up to `drafts`, whose worst case (every draft rejected, one token emitted)
+        the exploration budget covers beyond the best price (0: none)."""
+        batch = self.batch.curve(drafts + 1, self.plain.value)
+        step, full = self._exit_step_ms()
         for m in range(drafts, 0, -1):
-            if self._worst_ms(choice, m) - best_price <= self._explore_budget:
+            worst = batch[m + 1] if choice == Choice.LOOKUP else max(m * step + batch[m + 1], full)
+            if worst - best_price <= self._explore_budget:
                 return m
         return 0
 
