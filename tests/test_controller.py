@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from specee_edge.engine.controller import (EXPLORE_SHARE, EXPLORE_WAIT, MAX_EXPLORE_WAIT, PRIOR_ROW_COST, AcceptanceCount,
+from specee_edge.engine.controller import (EXPLORE_CARRY, EXPLORE_SHARE, EXPLORE_WAIT, MAX_EXPLORE_WAIT, PRIOR_ROW_COST, AcceptanceCount,
                                            BatchCosts, Choice, Controller, ExitPrior, Outcome, Plan)
 
 
@@ -164,7 +166,7 @@ def test_exploration_spends_a_small_budget_and_backs_off_when_it_loses():
     spent = sum(p.explore for p in plans) * worst_loss
     assert spent <= EXPLORE_SHARE * 10.0 * (600 + waited) + worst_loss
     # each exploration lost again: the wait doubled up to MAX_EXPLORE_WAIT
-    assert controller._wait[Choice.LOOKUP] == min(EXPLORE_WAIT * 2 ** len(explored), MAX_EXPLORE_WAIT)
+    assert controller._wait[(Choice.LOOKUP, False)] == min(EXPLORE_WAIT * 2 ** len(explored), MAX_EXPLORE_WAIT)
     cost = controller.observe(Outcome(explored[0], emitted=1, ms=19.0, drafts=1, accepted=0, batch_ms=19.0))
     assert cost == pytest.approx(19.0 - 10.0)
 
@@ -173,22 +175,125 @@ def test_an_exploration_is_shortened_to_what_the_budget_covers():
     controller = measured(10.0, {2: 16.0, 9: 30.0})
     accept(controller, Choice.LOOKUP, 1, 2, rounds=10)  # acceptance 0.5: 2 drafts would be lookup's best, 10.3 ms
     controller.begin_request()
-    controller._waited[Choice.LOOKUP] = EXPLORE_WAIT
+    controller._waited[(Choice.LOOKUP, False)] = EXPLORE_WAIT
     controller._explore_budget = 7.0  # covers a rejected batch of 2 rows (16 ms, 6 beyond a step), not of 3 (18)
     chosen = plan(controller)
     assert chosen.explore and chosen.choice == Choice.LOOKUP and chosen.drafts == 1
-    controller._waited[Choice.LOOKUP] = EXPLORE_WAIT
+    controller._waited[(Choice.LOOKUP, False)] = EXPLORE_WAIT
     controller._explore_budget = 5.0  # covers none
     assert not plan(controller).explore
 
 
-def test_a_new_request_starts_with_no_budget():
+def test_a_new_request_carries_a_capped_budget():
+    """Short requests explore too: the budget a request did not spend goes on, up to EXPLORE_CARRY steps."""
     controller = measured(10.0, {2: 19.0})
     accept(controller, Choice.LOOKUP, 0, 1, rounds=10)
-    plain_rounds(controller, 200)
+    controller._wait[(Choice.LOOKUP, False)] = MAX_EXPLORE_WAIT + 1  # no exploration while the budget grows
+    plain_rounds(controller, 2000)
     controller.begin_request()
-    controller._waited[Choice.LOOKUP] = MAX_EXPLORE_WAIT
-    assert not plan(controller, lookup=1, limit=1).explore
+    assert controller._explore_budget == pytest.approx(EXPLORE_CARRY * 10.0)
+    controller._wait[(Choice.LOOKUP, False)] = MAX_EXPLORE_WAIT
+    controller._waited[(Choice.LOOKUP, False)] = MAX_EXPLORE_WAIT
+    assert plan(controller, lookup=1, limit=1).explore
+
+
+def test_one_hiccup_never_stands_for_a_cost():
+    """A cost is the median of its recent measurements: a slow first batch is outvoted once measured again."""
+    costs = BatchCosts()
+    costs.add(2, 40.0)
+    costs.add(2, 13.0)
+    costs.add(2, 13.2)
+    assert costs.curve(2, 10.0)[2] == pytest.approx(13.2)
+
+
+def test_exploring_a_plain_step_is_priced_as_a_plain_step():
+    """A stale plain cost is measured again as soon as the budget covers one plain step beyond the best price."""
+    controller = measured(10.0, {2: 10.5, 9: 12.0})
+    accept(controller, Choice.LOOKUP, 8, 8, rounds=10)  # lookup wins: about 1.4 ms a token
+    controller._waited[(Choice.PLAIN, False)] = EXPLORE_WAIT
+    best = plan(controller)
+    assert best.choice == Choice.LOOKUP and not best.explore
+    controller._waited[(Choice.PLAIN, False)] = EXPLORE_WAIT
+    controller._explore_budget = 10.0 - best.ms_per_token + 0.01  # one plain step beyond the best price, no more
+    chosen = plan(controller)
+    assert chosen == Plan(Choice.PLAIN, 0, 10.0, True, best.ms_per_token)
+
+
+def test_an_exploration_measures_the_stalest_batch_again():
+    controller = measured(10.0, {})
+    controller.batch.add(2, 40.0, at=1)  # long ago, and dear
+    controller.batch.add(3, 15.0, at=50)
+    controller.batch.add(4, 17.0, at=60)
+    accept(controller, Choice.LOOKUP, 0, 3, rounds=10)
+    controller._waited[(Choice.LOOKUP, False)] = EXPLORE_WAIT
+    controller._explore_budget = 100.0
+    chosen = plan(controller, lookup=3, limit=3)
+    assert chosen.explore and chosen.choice == Choice.LOOKUP and chosen.drafts == 1
+
+
+def simulate(seed: int, hiccup_ms: float, requests: int, tokens: int = 48,
+             acceptance: float = 0.6) -> tuple[Controller, int, float]:
+    """The engine's calls (plan, observe, watch_lookup; begin_request between requests) on a machine where a plain
+    step costs 10 ms and a batch of r rows 13 + 2 (r - 2) ms, on a text whose token k is k: lookup offers 8 drafts
+    at every position, each right with probability `acceptance` once those before it were. The very first batch
+    takes `hiccup_ms` instead. Returns the controller, the rows of that first batch and the ms per token over the
+    last half of the requests."""
+    rng = random.Random(seed)
+    controller = Controller()
+    first_batch, first_rows = True, 0
+    spent = emitted_total = 0.0
+    for request in range(requests):
+        controller.begin_request()
+        last = 0  # the last emitted token (= its position)
+        while last < tokens - 1:
+            right = 0
+            while right < 8 and rng.random() < acceptance:
+                right += 1
+            offered = [last + 1 + j if j < right else -1 for j in range(8)]
+            chosen = plan(controller, lookup=8, limit=min(8, tokens - 2 - last))
+            if chosen.choice == Choice.PLAIN:
+                outcome = Outcome(chosen, emitted=1, ms=10.0)
+            else:
+                accepted = min(right, chosen.drafts)
+                ms = 13.0 + 2.0 * (chosen.drafts - 1)
+                if first_batch:
+                    ms, first_batch, first_rows = hiccup_ms, False, chosen.drafts + 1
+                outcome = Outcome(chosen, emitted=accepted + 1, ms=ms, drafts=chosen.drafts, accepted=accepted,
+                                  batch_ms=ms)
+            controller.observe(outcome)
+            emitted = list(range(last + 1, last + 1 + outcome.emitted))
+            controller.watch_lookup(chosen, offered, emitted, greedy=True)
+            last = emitted[-1]
+            if request >= requests // 2:
+                spent += outcome.ms
+                emitted_total += outcome.emitted
+    return controller, first_rows, spent / emitted_total
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_hiccup_on_the_first_batch_is_unlearned(seed):
+    """Requests of 48 tokens, begin_request() between them as the engine calls it: a 40 ms hiccup on the very
+    first batch (true cost 13) must not keep drafting priced out."""
+    hit, rows, hit_ms = simulate(seed, hiccup_ms=40.0, requests=100)
+    _, _, clean_ms = simulate(seed, hiccup_ms=13.0 + 2.0 * (rows - 2), requests=100)
+    assert hit.batch.curve(rows, 10.0)[rows] <= 13.0 + 2.0 * (8 - 1)  # no dearer than the longest batch
+    assert hit_ms <= 1.03 * clean_ms
+
+
+def test_exploration_notices_cheaper_batches_across_short_requests():
+    """The same machine change, seen by requests of 32-44 rounds with begin_request() between them."""
+    controller = measured(10.0, {2: 19.0})
+    accept(controller, Choice.LOOKUP, 1, 2, rounds=3)
+    rng = random.Random(0)
+    for _ in range(40):
+        controller.begin_request()
+        for _ in range(rng.randint(32, 44)):
+            chosen = plan(controller, lookup=1, limit=1)
+            if chosen.choice == Choice.LOOKUP:
+                controller.observe(Outcome(chosen, emitted=2, ms=10.5, drafts=1, accepted=1, batch_ms=10.5))
+            else:
+                controller.observe(Outcome(chosen, emitted=1, ms=10.0))
+    assert plan(controller, lookup=1, limit=1).choice == Choice.LOOKUP
 
 
 def test_exploration_notices_a_choice_that_starts_to_pay():
@@ -221,3 +326,16 @@ def test_shadow_rounds_track_lookup_while_decoding_plainly():
     assert controller.acceptance(Choice.LOOKUP, False) == 0.5  # sampled requests: nothing seen, the prior
     controller.watch_lookup(plain, [4, 5], [4, 6], greedy=False)  # a round's tokens all count
     assert controller.acceptance(Choice.LOOKUP, False) == pytest.approx(0.5)
+
+
+def test_a_drafting_round_drops_the_pending_shadow():
+    """Shadow [1, 2, 3] offered at a plain step that emitted 1, then a lookup round accepting [2, 3]: the round
+    counts its two drafts once, the shadow nothing more."""
+    controller = measured(10.0, {2: 19.0})
+    controller.begin_request()
+    controller.watch_lookup(Plan(Choice.PLAIN, 0, 10.0), [1, 2, 3], [1], greedy=True)
+    lookup = Plan(Choice.LOOKUP, 2, 8.0)
+    controller.observe(Outcome(lookup, emitted=3, ms=15.0, drafts=2, accepted=2, batch_ms=15.0))
+    controller.watch_lookup(lookup, [2, 3], [2, 3, 4], greedy=True)
+    count = controller._request[(Choice.LOOKUP, True)]
+    assert (count.accepted, count.rejected) == (2.0, 0.0)

@@ -16,23 +16,28 @@ token. A round of m drafts, each accepted with probability a once those before i
 at the cost of its batch (and, for exit drafts, of the drafting steps), and the cheapest choice and draft
 length win, as DEL picks a speculation length per context from the acceptance it tracks.
 
-- Costs (a plain step, a batch by its row count, a drafting step) are moving averages of what the engine's
-  own rounds took, each with its sampling, so they follow the machine when its speed moves. A row count not
-  measured yet is interpolated between measured ones, or extrapolated beyond them (BatchCosts.curve); before
-  any batch has run, an extra row is guessed at a quarter of a step: an optimistic start, so that the first
-  chance to draft measures what batches really cost here.
+- Costs (a plain step, a batch by its row count, a drafting step) are the medians of the last COST_WINDOW
+  times the engine's own rounds took, each with its sampling: they follow the machine when its speed moves,
+  and one hiccup (a page fault, another process) never stands for a cost once it has been measured again. A
+  row count not measured yet is interpolated between measured ones, or extrapolated beyond them
+  (BatchCosts.curve); before any batch has run, an extra row is guessed at a quarter of a step: an optimistic
+  start, so that the first chance to draft measures what batches really cost here.
 - Acceptance is counted per kind of draft and per kind of decoding (greedy, sampled), over the recent rounds
   of the request (older rounds fade), starting from what earlier requests on this engine accepted.
 - Lookup drafts are offered at every round, taken or not: while the controller decodes plainly it checks them
   against the tokens that follow (shadow rounds), so lookup's acceptance stays current at no cost. A drawn
   token equals a draft exactly as often as in a real round, greedy or sampled.
 - A choice not taken for a while is tried once (exploration), so that a dropped choice that starts to pay is
-  noticed (a machine whose batches got cheaper, exits that now pay). Exploring spends from a budget that grows
-  by EXPLORE_SHARE of each round's time in the request and pays what a round lost against the choice it
-  displaced; a round is explored only when the budget covers its worst case (every draft rejected), shortened
-  to fit if need be. So explorations cost at most about EXPLORE_SHARE of a request's time, and on a machine
-  where drafting loses much they are rare. One that loses again waits twice as long for the next one, at most
-  MAX_EXPLORE_WAIT rounds. What they cost is counted (explore_ms).
+  noticed (a machine whose batches got cheaper, exits that now pay, a cost that a hiccup inflated); so is the
+  cheapest choice at another draft length, whose batch size was measured longer ago than its own. Exploring
+  spends from a budget that grows by EXPLORE_SHARE of each round's time and pays what a round lost against the
+  choice it displaced; a round is explored only when the budget covers its worst case (every draft rejected),
+  and among the lengths it covers, the one whose batch was measured longest ago: so a batch size that a bad
+  measurement priced out is measured again. The budget carries over from one request to the next, up to
+  EXPLORE_CARRY plain steps' worth, so that short requests explore too. Explorations cost at most about
+  EXPLORE_SHARE of the time, and on a machine where drafting loses much they are rare. One that loses again
+  waits twice as long for the next one, at most MAX_EXPLORE_WAIT rounds. What they cost is counted
+  (explore_ms).
 
 `always_draft` replaces the choice with classic speculative decoding's: draft at every chance, as many as allowed
 (lookup where the context matches, else exits), which is what llama.cpp's speculation does; still measured.
@@ -40,10 +45,13 @@ length win, as DEL picks a speculation length per context from the acceptance it
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-COST_WEIGHT = 0.15          # a new measurement's weight in a cost's moving average
+COST_WINDOW = 5             # a cost is the median of its last this many measurements
+SHARE_WEIGHT = 0.15         # a new round's weight in a share's moving average
 ACCEPT_DECAY = 0.8          # a round's weight in the acceptance counts shrinks by this at every later round
 PRIOR_ROUNDS = 2.0          # a request starts with this many rounds' worth of what earlier requests accepted
 PRIOR_ACCEPTANCE = 0.5      # ... and with this rate where there were none
@@ -51,7 +59,8 @@ MAX_ACCEPTANCE = 0.97       # E(m) stays finite: no draft is ever certain
 PRIOR_ROW_COST = 0.25       # an extra row in a batch, in plain steps, before any batch was measured
 EXPLORE_WAIT = 16           # rounds a choice waits before it is tried again
 MAX_EXPLORE_WAIT = 256
-EXPLORE_SHARE = 0.02        # of a request's time, what explorations may spend beyond the choices they displace
+EXPLORE_SHARE = 0.02        # of the decoding time, what explorations may spend beyond the choices they displace
+EXPLORE_CARRY = 8.0         # plain steps' worth of exploration budget a request hands to the next at most
 
 
 class Choice(str, Enum):
@@ -67,6 +76,7 @@ class Plan:
     ms_per_token: float      # what the controller expected the choice to cost per emitted token
     explore: bool = False    # taken to measure it again, not because it was the cheapest
     best_ms_per_token: float = 0.0  # the cheapest choice's price (what an exploration displaced)
+    other_length: bool = False  # an exploration of the cheapest choice at another draft length
 
 
 @dataclass
@@ -85,31 +95,58 @@ class Outcome:
 
 
 @dataclass
-class MovingCost:
-    """A cost's moving average (None until measured)."""
+class RecentCost:
+    """A cost: the median of its last COST_WINDOW measurements (None until measured). A median, not a moving
+    average, so that one slow round (a hiccup) weighs nothing once the cost has been measured twice more."""
+
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+    measured_at: int = -1  # the controller's round count at the last measurement
+
+    @property
+    def value(self) -> float | None:
+        return statistics.median(self.recent) if self.recent else None
+
+    def add(self, ms: float, at: int = -1) -> None:
+        self.recent.append(ms)
+        self.measured_at = at
+
+
+@dataclass
+class MovingShare:
+    """How often something happens, a moving average of 0s and 1s (None until seen)."""
 
     value: float | None = None
 
-    def add(self, ms: float) -> None:
-        self.value = ms if self.value is None else self.value + COST_WEIGHT * (ms - self.value)
+    def add(self, happened: bool) -> None:
+        x = float(happened)
+        self.value = x if self.value is None else self.value + SHARE_WEIGHT * (x - self.value)
 
 
 @dataclass
 class BatchCosts:
     """A verification batch's time (with its rows' sampling) by row count."""
 
-    by_rows: dict[int, MovingCost] = field(default_factory=dict)
+    by_rows: dict[int, RecentCost] = field(default_factory=dict)
 
-    def add(self, rows: int, ms: float) -> None:
-        self.by_rows.setdefault(rows, MovingCost()).add(ms)
+    def add(self, rows: int, ms: float, at: int = -1) -> None:
+        self.by_rows.setdefault(rows, RecentCost()).add(ms, at)
+
+    def measured_at(self, rows: int) -> int:
+        """When a batch of `rows` rows was last measured (-1: never)."""
+        cost = self.by_rows.get(rows)
+        return cost.measured_at if cost else -1
 
     def curve(self, max_rows: int, plain_ms: float) -> list[float]:
         """The cost of 0 .. max_rows rows (index 0 unused): measured, else on the line between the nearest measured
-        row counts (a plain step is one row). Beyond the last measured batch, the slope of the last two batches;
+        row counts (a plain step is one row), each held to at most what a longer one costs. Beyond the last measured batch, the slope of the last two batches;
         with one batch measured, the slope from a plain step to it or a quarter of a step per row, whichever is
         less (on a CPU a batch's second row costs much more than its later ones: the jump from one row to two is
         no guide to the rest); never falling."""
         measured = sorted((r, c.value) for r, c in self.by_rows.items() if c.value is not None)
+        # a batch costs no more than a longer one measured: a row count measured once, slowly, and not chosen since
+        # (a hiccup) is held to what the longer batches cost until it is measured again
+        for i in range(len(measured) - 2, -1, -1):
+            measured[i] = (measured[i][0], min(measured[i][1], measured[i + 1][1]))
         points = [(1, plain_ms), *measured]
         if len(measured) >= 2:
             (r0, c0), (r1, c1) = measured[-2:]
@@ -166,27 +203,30 @@ class Controller:
     def __init__(self, exit_prior: ExitPrior | None = None, always_draft: bool = False):
         self.exit_prior = exit_prior or ExitPrior()
         self.always_draft = always_draft
-        self.plain = MovingCost()
+        self.plain = RecentCost()
         self.batch = BatchCosts()
-        self.draft_step = MovingCost()   # a drafting step that exited
-        self.full_step = MovingCost()    # an exit round's first step that did not exit (probes, no draft)
-        self.first_exits = MovingCost()  # share of exit rounds whose first step exited
+        self.draft_step = RecentCost()   # a drafting step that exited
+        self.full_step = RecentCost()    # an exit round's first step that did not exit (probes, no draft)
+        self.first_exits = MovingShare()  # share of exit rounds whose first step exited
+        self._rounds = 0                 # rounds observed, the clock of measured_at
         # long-run acceptance per (kind, greedy): the prior of each request
         self._lifetime: dict[tuple[Choice, bool], AcceptanceCount] = {}
         self._request: dict[tuple[Choice, bool], AcceptanceCount] = {}
-        self._waited = {choice: 0 for choice in Choice}
-        self._wait = {choice: EXPLORE_WAIT for choice in Choice}
-        self._explore_budget = 0.0       # ms this request may still lose to explorations
+        # rounds since each exploration was last taken, and how long it waits: by (choice, at another length)
+        self._waited: dict[tuple[Choice, bool], int] = {}
+        self._wait: dict[tuple[Choice, bool], int] = {}
+        self._explore_budget = 0.0       # ms explorations may still lose
         self._shadow: list[int] = []     # lookup drafts offered before a plain step, being checked
         self._shadow_matched = 0         # ... how many of them the tokens decoded since have equalled
 
     # --- a request ---------------------------------------------------------------------------
 
     def begin_request(self) -> None:
-        """Acceptance starts again from what earlier requests accepted (a new answer repeats itself anew), and the
-        exploration budget from nothing."""
+        """Acceptance starts again from what earlier requests accepted (a new answer repeats itself anew); the
+        exploration budget carries over, up to EXPLORE_CARRY plain steps."""
         self._request = {}
-        self._explore_budget = 0.0
+        if self.plain.value is not None:
+            self._explore_budget = min(self._explore_budget, EXPLORE_CARRY * self.plain.value)
         self._shadow, self._shadow_matched = [], 0
         for key, lifetime in self._lifetime.items():
             seen = lifetime.accepted + lifetime.rejected
@@ -201,31 +241,42 @@ class Controller:
 
     # --- prices ------------------------------------------------------------------------------
 
-    def _best(self, choice: Choice, max_drafts: int, greedy: bool) -> tuple[int, float]:
-        """The draft length with the lowest price for `choice` (ms per emitted token), and that price.
+    def _round_ms(self, choice: Choice, m: int, batch: list[float]) -> tuple[float, float]:
+        """A round of `choice` with m drafts: what it costs when it drafts, and when it does not (an exit round's
+        first step that ran every layer, probes and all, and gave one token); `batch` is the batch curve."""
+        if choice == Choice.PLAIN:
+            return self.plain.value, self.plain.value
+        if choice == Choice.LOOKUP:
+            return batch[m + 1], batch[m + 1]
+        step, full = self._exit_step_ms()
+        return m * step + batch[m + 1], full
+
+    def _prices(self, choice: Choice, max_drafts: int, greedy: bool) -> list[float]:
+        """The price of a round of `choice` (ms per emitted token) by its draft length 0 .. max_drafts (a drafting
+        choice's length 0 is no round: infinite).
 
         A lookup round of m drafts costs its batch of m + 1 rows. An exit-mode round's first step exits with
-        probability q and then drafts (m drafting steps and the batch); else that step ran every layer (probes and
-        all) and gives one token."""
-        plain = self.plain.value
+        probability q and then drafts (m drafting steps and the batch); else it gives one token."""
         if choice == Choice.PLAIN:
-            return 0, plain
-        batch = self.batch.curve(max_drafts + 1, plain)
+            return [self.plain.value]
+        batch = self.batch.curve(max_drafts + 1, self.plain.value)
         a = min(max(self.acceptance(choice, greedy), 0.0), MAX_ACCEPTANCE)
+        q = 1.0
         if choice == Choice.EXIT:
             q = self.first_exits.value if self.first_exits.value is not None else self.exit_prior.exit_share
-            step, full = self._exit_step_ms()
-        best, tokens, term = (0, float("inf")), 1.0, 1.0
+        prices, tokens, term = [float("inf")], 1.0, 1.0
         for m in range(1, max_drafts + 1):
             term *= a
             tokens += term  # E(m)
-            if choice == Choice.LOOKUP:
-                price = batch[m + 1] / tokens
-            else:
-                price = (q * (m * step + batch[m + 1]) + (1 - q) * full) / (q * tokens + (1 - q))
-            if price < best[1]:
-                best = (m, price)
-        return best
+            drafting, not_drafting = self._round_ms(choice, m, batch)
+            prices.append((q * drafting + (1 - q) * not_drafting) / (q * tokens + (1 - q)))
+        return prices
+
+    def _best(self, choice: Choice, max_drafts: int, greedy: bool) -> tuple[int, float]:
+        """The draft length with the lowest price for `choice`, and that price."""
+        prices = self._prices(choice, max_drafts, greedy)
+        m = min(range(len(prices)), key=prices.__getitem__)
+        return m, prices[m]
 
     def _exit_step_ms(self) -> tuple[float, float]:
         """An exit round's drafting step that exited, and its first step when that ran every layer (guesses from a
@@ -235,16 +286,21 @@ class Controller:
         full = self.full_step.value if self.full_step.value is not None else plain
         return step, full
 
-    def _affordable(self, choice: Choice, drafts: int, best_price: float) -> int:
-        """The longest round of `choice`, up to `drafts`, whose worst case (every draft rejected, one token emitted)
-        the exploration budget covers beyond the best price (0: none)."""
-        batch = self.batch.curve(drafts + 1, self.plain.value)
-        step, full = self._exit_step_ms()
-        for m in range(drafts, 0, -1):
-            worst = batch[m + 1] if choice == Choice.LOOKUP else max(m * step + batch[m + 1], full)
-            if worst - best_price <= self._explore_budget:
-                return m
-        return 0
+    def _explorable(self, choice: Choice, max_drafts: int, best_price: float, other_than: int | None = None) -> int | None:
+        """The draft length of an exploration of `choice` (0 for a plain step), or None: the length, up to
+        `max_drafts` and not `other_than`, whose worst case (every draft rejected, one token emitted) the exploration
+        budget covers beyond the best price, and among those the one whose batch was measured longest ago (then the
+        longest). With `other_than` (the best choice at another length), only a length measured before it."""
+        if choice == Choice.PLAIN:
+            return 0 if self.plain.value - best_price <= self._explore_budget else None
+        batch = self.batch.curve(max_drafts + 1, self.plain.value)
+        covered = [m for m in range(1, max_drafts + 1)
+                   if m != other_than and max(self._round_ms(choice, m, batch)) - best_price <= self._explore_budget]
+        if other_than is not None:
+            covered = [m for m in covered if self.batch.measured_at(m + 1) < self.batch.measured_at(other_than + 1)]
+        if not covered:
+            return None
+        return min(covered, key=lambda m: (self.batch.measured_at(m + 1), -m))
 
     # --- a round -----------------------------------------------------------------------------
 
@@ -255,55 +311,66 @@ class Controller:
             return Plan(Choice.LOOKUP, min(lookup_drafts, limit), 0.0) if lookup_drafts else Plan(Choice.EXIT, limit, 0.0)
         if self.plain.value is None or limit < 1 or self.always_draft or not (lookup_drafts or exits):
             return Plan(Choice.PLAIN, 0, self.plain.value or 0.0)  # no price without a plain step measured
-        options = {Choice.PLAIN: self._best(Choice.PLAIN, 0, greedy)}
+        longest = {Choice.PLAIN: 0}
         if lookup_drafts >= 1:
-            options[Choice.LOOKUP] = self._best(Choice.LOOKUP, min(lookup_drafts, limit), greedy)
+            longest[Choice.LOOKUP] = min(lookup_drafts, limit)
         if exits:
-            options[Choice.EXIT] = self._best(Choice.EXIT, limit, greedy)
+            longest[Choice.EXIT] = limit
+        options = {choice: self._best(choice, m, greedy) for choice, m in longest.items()}
         best = min(options, key=lambda c: options[c][1])
-        best_price = options[best][1]
-        chosen, (drafts, price) = best, options[best]
-        for choice in options:
-            if choice == best:
+        best_drafts, best_price = options[best]
+        chosen = Plan(best, best_drafts, best_price, best_ms_per_token=best_price)
+        self._waited[(best, False)] = 0
+        # what may be explored: each other choice, and the best one at another draft length (a stale batch size)
+        for key in [(choice, False) for choice in options if choice != best] + [(best, True)] * (best != Choice.PLAIN):
+            choice, other_length = key
+            self._waited[key] = self._waited.get(key, 0) + 1
+            if chosen.explore or self._waited[key] < self._wait.get(key, EXPLORE_WAIT):
                 continue
-            self._waited[choice] += 1
-            if chosen == best and self._waited[choice] >= self._wait[choice]:
-                affordable = self._affordable(choice, max(options[choice][0], 1), best_price)
-                if affordable:
-                    chosen, drafts, price = choice, affordable, options[choice][1]
-        self._waited[chosen] = 0
-        return Plan(chosen, drafts, price, chosen != best, best_price)
+            drafts = (self._explorable(choice, longest[choice], best_price, other_than=best_drafts) if other_length
+                      else self._explorable(choice, max(options[choice][0], 1), best_price))
+            if drafts is not None:
+                chosen = Plan(choice, drafts, options[choice][1], True, best_price, other_length)
+                self._waited[key] = 0
+        return chosen
 
     def observe(self, outcome: Outcome) -> float:
         """Learn from a round; returns what an exploration cost beyond the choice it displaced (0 otherwise)."""
         plan = outcome.plan
+        self._rounds += 1
         self._explore_budget += EXPLORE_SHARE * outcome.ms
         if plan.choice == Choice.PLAIN:
-            self.plain.add(outcome.ms)
+            self.plain.add(outcome.ms, self._rounds)
         else:
             if outcome.drafts:
-                self.batch.add(outcome.drafts + 1, outcome.batch_ms)
+                self.batch.add(outcome.drafts + 1, outcome.batch_ms, self._rounds)
                 self._count(plan.choice, outcome.greedy, outcome.accepted, outcome.drafts)
             if plan.choice == Choice.EXIT:
-                self.first_exits.add(float(outcome.full_step_ms is None))
+                self.first_exits.add(outcome.full_step_ms is None)
                 for ms in outcome.draft_step_ms:
                     self.draft_step.add(ms)
                 if outcome.full_step_ms is not None:
                     self.full_step.add(outcome.full_step_ms)
         if not plan.explore:
             return 0.0
-        # the explored choice's new price against the best price it displaced: lost again, wait longer
-        _, price = self._best(plan.choice, max(plan.drafts, 1), outcome.greedy)
+        # the explored choice (or length)'s new price against the best price it displaced: lost again, wait longer
+        prices = self._prices(plan.choice, max(plan.drafts, 1), outcome.greedy)
+        price = prices[plan.drafts] if plan.other_length else min(prices)
+        key = (plan.choice, plan.other_length)
         lost = price > plan.best_ms_per_token
-        self._wait[plan.choice] = min(self._wait[plan.choice] * 2, MAX_EXPLORE_WAIT) if lost else EXPLORE_WAIT
+        self._wait[key] = min(self._wait.get(key, EXPLORE_WAIT) * 2, MAX_EXPLORE_WAIT) if lost else EXPLORE_WAIT
         cost = outcome.ms - outcome.emitted * plan.best_ms_per_token
         self._explore_budget -= cost
         return cost
 
     def watch_lookup(self, plan: Plan, offered: list[int], emitted: list[int], greedy: bool) -> None:
         """Shadow rounds: the lookup drafts offered at a plain step are checked against the tokens decoded from
-        there on, and counted as the round that was not taken would have been (accepted while equal)."""
-        if plan.choice == Choice.PLAIN and offered and not self._shadow:
+        there on, and counted as the round that was not taken would have been (accepted while equal). A drafting
+        round drops the shadow that pends: its drafts are counted by the round itself, not twice."""
+        if plan.choice != Choice.PLAIN:
+            self._shadow, self._shadow_matched = [], 0
+            return
+        if offered and not self._shadow:
             self._shadow, self._shadow_matched = list(offered), 0
         for token in emitted:
             if not self._shadow:
@@ -326,6 +393,8 @@ class Controller:
             "batch_ms": self.batch.snapshot(),
             "draft_step_ms": rounded(self.draft_step),
             "first_step_exits": rounded(self.first_exits),
-            "acceptance": {f"{choice.value}/{'greedy' if greedy else 'sampled'}": round(count.rate(), 3)
-                           for (choice, greedy), count in sorted(self._lifetime.items())},
+            # the chance that a draft is accepted once those before it were: accepted / (accepted + rejections),
+            # what prices a round (not acceptance_rate, accepted / drafted, which counts drafts after a rejection)
+            "accept_chance": {f"{choice.value}/{'greedy' if greedy else 'sampled'}": round(count.rate(), 3)
+                              for (choice, greedy), count in sorted(self._lifetime.items())},
         }
