@@ -750,7 +750,7 @@ class EngineFuzzer:
                 ev[f"exits_{self.slot.mode}_skipping_2+_layers"] += 1
         if not early_exit and any(r.probes or r.exit_layer is not None for r in records):
             raise FuzzFailure("probes or exits reported with early exit off")
-        ev["exact_rounds"] += sum(r.round_drafts > 0 for r in records)
+        ev["exact_rounds"] += len({id(r.round) for r in records if r.round is not None and r.round.drafts})
         ev["generations"] += 1
 
     def check_vanilla(self, prompt: list[int], tokens: list[int]) -> None:

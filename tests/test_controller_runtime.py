@@ -14,11 +14,11 @@ import pytest
 
 from specee_edge.bench.quality import NEAR_TIE, divergence_margins
 from specee_edge.engine import GREEDY, Engine, EngineConfig, SamplingParams
-from specee_edge.engine.controller import EXPLORE_SHARE
+from specee_edge.engine.controller import EXPLORE_SHARE, Choice
 from specee_edge.engine.records import TokenSource
 from specee_edge.runtime import Context
 from specee_edge.runtime.context import SLOWDOWN_ENV
-from tests.test_exact import assert_cache_holds_the_reply, prompt_of
+from tests.test_exact import assert_cache_holds_the_reply, exact_pack, prompt_of  # noqa: F401 (a fixture)
 
 # an edit: the answer copies most of the prompt, where lookup drafts are right
 EDIT = ("Rename the variable `tmp` to `total` everywhere in this function and return the whole function:\n\n"
@@ -104,15 +104,21 @@ def test_the_controller_keeps_the_answer_exact(default_model, dear_steps):
     assert all(margin < NEAR_TIE for margin in margins), margins
 
 
-def test_the_pack_adds_exit_drafts_priced_like_the_rest(default_model, dear_steps):
-    """With the shipped pack's exact level, exit-draft rounds are a choice beside lookup rounds; their records name
-    the layer the draft left at and count no early exit."""
-    engine = engine_on(default_model.info.path, "step", 4.0, pack="auto")
+def test_the_pack_adds_exit_drafts_priced_like_the_rest(default_model, exact_pack):
+    """With an exact level whose exits draft (head-free exits on every predictor layer; the shipped pack's exact
+    level drafts by lookup alone), exit-draft rounds are a choice beside lookup rounds and plain steps: one runs and
+    is verified, its drafting steps are priced, and its records name the layer the draft left at and count no
+    early exit."""
+    engine = engine_on(default_model.info.path, "step", 4.0, pack=exact_pack)
     try:
         assert engine.exact and engine.early_exit
         records, stats = answer(engine, GREEDY)
         assert stats.rounds > 0 and stats.exits == 0
+        exit_rounds = [r.round for r in records if r.round is not None and r.round.choice == Choice.EXIT]
+        assert any(r.drafts for r in exit_rounds), (stats.tokens_by_choice, stats.controller)  # one drafted and verified
+        assert stats.controller["draft_step_ms"] is not None  # ... and its drafting steps priced the next ones
         assert all(r.exit_layer is None for r in records)
         assert all(r.draft_layer is None for r in records if r.source != TokenSource.ACCEPTED)
+        assert any(r.draft_layer is not None for r in records if r.round in exit_rounds)
     finally:
         engine.close()

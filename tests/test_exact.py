@@ -17,7 +17,8 @@ import pytest
 
 from specee_edge.bench.quality import NEAR_TIE, divergence_margins
 from specee_edge.engine import GREEDY, Engine, EngineConfig, SamplingParams
-from specee_edge.engine.records import TokenSource
+from specee_edge.engine.controller import Choice, ExitPrior
+from specee_edge.engine.records import Round, TokenRecord, TokenSource
 from specee_edge.errors import SpecEEError
 from specee_edge.exits import ExitKind
 from specee_edge.pack import EXACT_QUALITY, OFF, LayerExit, PackLevelError, parse_quality, read_pack, write_pack
@@ -75,6 +76,15 @@ def vanilla(engine: Engine, prompt: list[int], **kwargs):
     finally:
         engine.set_early_exit(True)
         engine.reset()
+
+
+def rounds_of(records: list[TokenRecord]) -> list[Round]:
+    """The exact-mode rounds that emitted these records, each once, in order."""
+    rounds: list[Round] = []
+    for record in records:
+        if record.round is not None and (not rounds or record.round is not rounds[-1]):
+            rounds.append(record.round)
+    return rounds
 
 
 def assert_cache_holds_the_reply(engine: Engine, prompt: list[int], reply: list[int]) -> None:
@@ -173,7 +183,7 @@ def test_greedy_exact_mode_is_vanillas_answer_up_to_near_ties(lane, request):
     reference.close()
     margins = divergence_margins(Context(engine.model, n_ctx=1024, n_threads=2), prompts, vanilla_outputs, exact_outputs)
     assert all(margin < NEAR_TIE for margin in margins), margins
-    assert len(margins) <= len(QUESTIONS) // 2
+    assert len(margins) <= 1  # a near-tie that a batch flips is rare: at most one of the answers parts
     assert totals["rounds"] > 0 and 0 < totals["accepted"] < totals["drafts"]
     assert {TokenSource.ACCEPTED, TokenSource.CORRECTION} <= sources
 
@@ -187,10 +197,11 @@ def test_prompt_lookup_drafts_rounds_that_repeat_the_context(engine):
     stats = engine.stats
     assert_cache_holds_the_reply(engine, prompt, [r.id for r in records])
     engine.reset()
-    lookup_rounds = [r for r in records if r.round_lookup]
-    assert stats.lookup_rounds == len(lookup_rounds) > 0 and stats.lookup_rounds < stats.rounds + 1
-    # a lookup round decoded no drafting step: its accepted drafts left no layer early
-    assert all(r.exit_layer is None for r in records if r.source == TokenSource.ACCEPTED and r.probes == 0)
+    lookup_rounds = [r for r in rounds_of(records) if r.choice == Choice.LOOKUP and r.drafts]
+    assert stats.lookup_rounds == len(lookup_rounds) > 0
+    # a lookup round decodes no drafting step: its tokens probed no layer and no draft of theirs left one early
+    from_lookup = [r for r in records if r.round is not None and r.round.choice == Choice.LOOKUP]
+    assert from_lookup and all(r.probes == 0 and r.draft_layer is None for r in from_lookup)
     margins = divergence_margins(Context(engine.model, n_ctx=1024, n_threads=2), [prompt], [plain.tokens],
                                  [[r.id for r in records]])
     assert all(margin < NEAR_TIE for margin in margins), margins
@@ -213,7 +224,7 @@ def test_an_exact_level_with_every_exit_off_drafts_from_prompt_lookup_alone(engi
         engine.set_quality(None)
         engine.reset()
     assert stats.probes == 0 and stats.rounds == stats.lookup_rounds > 0
-    assert max(r.round_drafts for r in records) <= 6 and 0 < stats.accepted < stats.drafts
+    assert max(r.drafts for r in rounds_of(records)) <= 6 and 0 < stats.accepted < stats.drafts
     margins = divergence_margins(Context(engine.model, n_ctx=1024, n_threads=2), [prompt], [plain.tokens],
                                  [[r.id for r in records]])
     assert all(margin < NEAR_TIE for margin in margins), margins
@@ -335,7 +346,8 @@ def test_records_name_their_source_and_stats_add_up(engine):
     assert stats.round_tokens == sum(r.source != TokenSource.FULL for r in decoded)
     assert stats.accepted == sum(r.source == TokenSource.ACCEPTED for r in decoded)
     assert 0 < stats.acceptance_rate < 1 and stats.tokens_per_round >= 1
-    assert sum(r.round_drafts for r in decoded) == stats.drafts
+    assert sum(r.drafts for r in rounds_of(decoded)) == stats.drafts
+    assert sum(r.emitted for r in rounds_of(decoded)) == len(decoded)
     assert stats.time_ms["batch"] > 0
     summary = stats.summary()
     assert summary["acceptance_rate"] == stats.acceptance_rate and summary["tokens_per_round"] == stats.tokens_per_round
@@ -365,7 +377,7 @@ def test_rounds_fit_one_llama_decode_at_a_small_n_batch(default_model, exact_pac
         plain = vanilla(engine, prompt, max_tokens=40, sampling=GREEDY)
         records = list(engine.stream(prompt, max_tokens=40, sampling=GREEDY))
         assert_cache_holds_the_reply(engine, prompt, [r.id for r in records])
-        assert engine.stats.rounds > 0 and max(r.round_drafts for r in records) <= 3
+        assert engine.stats.rounds > 0 and max(r.drafts for r in rounds_of(records)) <= 3
         margins = divergence_margins(Context(engine.model, n_ctx=512, n_threads=2), [prompt], [plain.tokens],
                                      [[r.id for r in records]])
         assert all(margin < NEAR_TIE for margin in margins), margins
@@ -394,7 +406,7 @@ def test_verified_tokens_are_not_exits_and_every_drafting_step_is_counted(engine
         engine.reset()
     assert stats.rounds > stats.lookup_rounds and stats.exits == 0 and stats.avg_exit_layer == engine.n_layer - 1
     assert all(r.exit_layer is None for r in records)
-    accepted = [r for r in records if r.source == TokenSource.ACCEPTED and not r.round_lookup]
+    accepted = [r for r in records if r.source == TokenSource.ACCEPTED and r.round.choice == Choice.EXIT]
     assert any(r.draft_layer is not None for r in accepted)
     assert sum(r.probes for r in records) == sum(probes for probes, _ in steps) > 0
     assert sum(r.forward_ms for r in records) == pytest.approx(sum(ms for _, ms in steps))
@@ -413,5 +425,26 @@ def test_a_level_with_exits_on_but_nothing_scheduled_drafts_by_lookup(default_mo
         records = list(engine.stream(prompt, max_tokens=40, sampling=GREEDY))
         assert engine.stats.lookup_rounds > 0 and engine.stats.accepted < engine.stats.drafts  # one was cut short
         assert_cache_holds_the_reply(engine, prompt, [r.id for r in records])
+    finally:
+        engine.close()
+
+
+def test_switching_to_the_exact_level_reads_its_exit_prior(default_model, tmp_path):
+    """An engine started at a lossy level starts exit drafts from the exact level's calibration once switched to it
+    (/set quality exact, a server request's "quality"), not from the default guess."""
+    pack = read_pack(SHIPPED_PACK)
+    lossy = [lv for lv in pack.levels if not lv.exact]
+    exact = dataclasses.replace(exact_level_of(pack), acceptance=0.73, exit_rate=0.4)
+    path = tmp_path / "exact.specee.gguf"
+    write_pack(path, dataclasses.replace(pack, levels=[*lossy, exact], default_quality=EXACT_QUALITY))
+    engine = Engine(default_model.info.path, pack=path,
+                    config=EngineConfig(n_ctx=256, n_threads=2, quality=lossy[-1].quality))
+    try:
+        assert not engine.exact and engine.controller.exit_prior == ExitPrior()
+        engine.set_quality(EXACT_QUALITY)
+        prior = engine.controller.exit_prior  # the pack stores float32
+        assert engine.exact and (prior.acceptance, prior.exit_share) == (pytest.approx(0.73), pytest.approx(0.4))
+        engine.set_quality(lossy[-1].quality)
+        assert engine.controller.exit_prior == ExitPrior()
     finally:
         engine.close()

@@ -8,10 +8,10 @@ would run if it drafted at every match. Where a batch of up to ROUND_MAX_DRAFTS 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from specee_edge.draft.lookup import LOOKUP_MAX_N, PromptLookup
+from specee_edge.draft.lookup import LOOKUP_MAX_N, PromptLookup, lookup_drafts
 from specee_edge.engine.engine import ROUND_MAX_DRAFTS
 
 
@@ -45,34 +45,35 @@ class LookupReplay:
                 "speedup_at_unit_batch": self.speedup_at_unit_batch, "rounds": self.rounds, "tokens": self.tokens}
 
 
-def replay_lookup(prompt: Sequence[int], answer: Sequence[int], max_drafts: int = ROUND_MAX_DRAFTS,
-                  max_n: int = LOOKUP_MAX_N) -> LookupReplay:
-    """Exact mode's lookup rounds along `answer`, drafting at every match (up to `max_drafts`)."""
+def replay_lookup(prompt: Sequence[int], answer: Sequence[int], is_eog: Callable[[int], bool],
+                  max_drafts: int = ROUND_MAX_DRAFTS, max_n: int = LOOKUP_MAX_N) -> LookupReplay:
+    """Exact mode's lookup rounds along `answer`, drafting at every match: the engine's own drafts (lookup_drafts,
+    cut after an end of generation), at most `max_drafts` and, as in the engine, no more than the tokens left
+    after the round's last one."""
     index = PromptLookup(max_n)
     index.extend(prompt)
     out = LookupReplay(tokens=max(len(answer) - 1, 0))
-    i = 0  # answer[i] is the last emitted token
+    i = 0  # answer[i] is the last emitted token, not in the index yet
     while i < len(answer) - 1:
-        index.extend(answer[i : i + 1])
-        drafts = index.continuation(min(max_drafts, len(answer) - 1 - i))
+        drafts = lookup_drafts(index, answer[i], min(max_drafts, len(answer) - 2 - i), is_eog)
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == answer[i + 1 + accepted]:
             accepted += 1
-        emitted = min(accepted + 1, len(answer) - 1 - i)
+        emitted = accepted + 1
         if drafts:
             out.rounds += 1
             out.drafts += len(drafts)
             out.accepted += accepted
         else:
             out.plain += 1
-        index.extend(answer[i + 1 : i + emitted])
+        index.extend(answer[i : i + emitted])
         i += emitted
     return out
 
 
-def replay_by_category(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
-                       categories: Sequence[str]) -> dict[str, dict[str, float]]:
+def replay_by_category(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], categories: Sequence[str],
+                       is_eog: Callable[[int], bool], max_n: int = LOOKUP_MAX_N) -> dict[str, dict[str, float]]:
     totals: dict[str, LookupReplay] = {}
     for prompt, answer, category in zip(prompts, answers, categories):
-        totals.setdefault(category, LookupReplay()).add(replay_lookup(prompt, answer))
+        totals.setdefault(category, LookupReplay()).add(replay_lookup(prompt, answer, is_eog, max_n=max_n))
     return {c: r.to_dict() for c, r in sorted(totals.items())}

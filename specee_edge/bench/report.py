@@ -22,7 +22,8 @@ HISTOGRAM_WIDTH = 48  # text cells shared by the histogram's bars (80-column ter
 class ExactChoices:
     """What exact mode's controller chose in a lane, and what it measured on this machine."""
 
-    shares: dict[str, float]          # decoded tokens from plain steps, lookup rounds and exit-draft rounds
+    shares: dict[str, float]          # decoded tokens by the controller's choice: plain steps, lookup rounds, exit
+    #                                   rounds (an exit round whose first step did not exit gave one token: an exit round's)
     mean_drafts: float                # drafts per verification batch
     explore_rounds: int               # rounds taken to measure a choice again
     explore_ms_per_token: float       # ... their cost beyond the choices they displaced, per decoded token
@@ -324,7 +325,7 @@ class BenchResult:
         rows = [
             ("tokens from plain steps", lambda m: both(m, lambda c: f"{c.shares['plain']:.2f}")),
             ("... from lookup rounds", lambda m: both(m, lambda c: f"{c.shares['lookup']:.2f}")),
-            ("... from exit-draft rounds", lambda m: both(m, lambda c: f"{c.shares['exit']:.2f}")),
+            ("... from exit rounds", lambda m: both(m, lambda c: f"{c.shares['exit']:.2f}")),
             ("mean drafts per batch", lambda m: both(m, lambda c: f"{c.mean_drafts:.2f}")),
             ("explorations (ms per token)", lambda m: both(m, lambda c: f"{c.explore_rounds} ({c.explore_ms_per_token:+.3f})")),
             ("measured: plain step ms", lambda m: fmt(m.choices.controller.get("plain_ms"))),

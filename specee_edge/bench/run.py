@@ -203,6 +203,8 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
         for i, lane in enumerate(lanes)
     ]
     reference.close()
+    # the replay drafts as the first engine does (its pack's lookup length, its model's ends of generation)
+    replay = lambda outputs: replay_by_category(prompts, outputs, categories, first.model.is_eog, first.lookup_max_n)
     for _, engine in engines:
         engine.close()
     return BenchResult(
@@ -220,8 +222,8 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
         looping_answers=len(repeated) - len(no_loop),
         repetition_sampled_by_category=by_category(repeated_sampled, categories) if vanilla_sampled else {},
         looping_answers_sampled=sum(share >= LOOP_SHARE for share in repeated_sampled),
-        lookup_replay=replay_by_category(prompts, vanilla.outputs, categories),
-        lookup_replay_sampled=replay_by_category(prompts, vanilla_sampled.outputs, categories) if vanilla_sampled else {},
+        lookup_replay=replay(vanilla.outputs),
+        lookup_replay_sampled=replay(vanilla_sampled.outputs) if vanilla_sampled else {},
         seconds=time.perf_counter() - start, command=config.command, rpc=rpc_result,
     )
 

@@ -12,7 +12,7 @@ appending a token and truncating the context both cost O(max_n): no rescans of t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 LOOKUP_MAX_N = 4  # the longest suffix matched (calibrate's default; a pack records what it was trained with)
 
@@ -88,3 +88,14 @@ def lookup_proposals(tokens: list[int], start: int, stop: int, max_n: int = LOOK
         index.extend(tokens[p : p + 1])
         out.append(index.propose() if max_n else None)
     return out
+
+
+def lookup_drafts(index: PromptLookup, token: int, limit: int, is_eog: Callable[[int], bool]) -> list[int]:
+    """Exact mode's lookup drafts after `token` (the last emitted token, not in `index` yet): up to `limit` tokens
+    that followed the latest earlier occurrence of the context's longest matching suffix, cut after an end of
+    generation (nothing is ever decoded past one). `index` is left as it was."""
+    index.extend([token])
+    drafts = index.continuation(limit)
+    index.truncate(len(index) - 1)
+    end = next((i for i, t in enumerate(drafts) if is_eog(t)), None)
+    return drafts if end is None else drafts[: end + 1]

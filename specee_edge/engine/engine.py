@@ -15,6 +15,7 @@ in one batch, whichever the controller (controller.py) measured cheapest on this
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,10 +28,10 @@ from threadpoolctl import threadpool_limits
 
 from specee_edge.chat_templates import NAMED_TEMPLATES, named_template
 from specee_edge.default_model import default_model_path
-from specee_edge.draft.lookup import LOOKUP_MAX_N, PromptLookup
+from specee_edge.draft.lookup import LOOKUP_MAX_N, PromptLookup, lookup_drafts
 from specee_edge.engine.controller import Choice, Controller, ExitPrior, Outcome
 from specee_edge.engine.exit import ExitPolicy, find_pack
-from specee_edge.engine.records import GenerationStats, TokenRecord, TokenSource
+from specee_edge.engine.records import GenerationStats, Round, TokenRecord, TokenSource
 from specee_edge.engine.sampling import Sampler, SamplingParams, masks_every_token
 from specee_edge.engine.stops import StopMatcher
 from specee_edge.errors import ContextFullError, DecodeCancelled, SpecEEError, UnsupportedModelError
@@ -75,15 +76,17 @@ class Generation:
     stats: GenerationStats
 
 
-def charge(record: TokenRecord, steps: Sequence[TokenRecord]) -> None:
-    """Add to `record` the cost of drafting steps whose tokens were never emitted."""
-    for step in steps:
-        record.forward_ms += step.forward_ms
-        record.draft_ms += step.draft_ms
-        record.predictor_ms += step.predictor_ms
-        record.verify_ms += step.verify_ms
-        record.probes += step.probes
-        record.verify_failures += step.verify_failures
+def with_costs_of(record: TokenRecord, steps: Sequence[TokenRecord]) -> TokenRecord:
+    """`record` with the cost of drafting steps whose tokens were never emitted added to its own."""
+    return dataclasses.replace(record, **{name: getattr(record, name) + sum(getattr(step, name) for step in steps)
+                                          for name in ("forward_ms", "draft_ms", "predictor_ms", "verify_ms", "probes",
+                                                       "verify_failures")})
+
+
+def row_record(step: TokenRecord | None) -> TokenRecord:
+    """A verification row's record before its token is drawn: the full model's (no exit), with the cost of the
+    drafting step that proposed the row's draft, if any."""
+    return TokenRecord() if step is None else dataclasses.replace(step, exit_layer=None, exit_kind=ExitKind.NONE)
 
 
 def draft_confidence(logits: np.ndarray, candidates: Sequence[int]) -> float:
@@ -163,6 +166,11 @@ class Engine:
         """Exact mode: only the full model's own tokens are emitted, drafts are checked in batches (a pack's exact
         level; without a pack, drafts come from prompt lookup alone)."""
         return self.speculative and (self.policy is None or self.policy.max_draft > 0)
+
+    @property
+    def lookup_max_n(self) -> int:
+        """The longest context suffix prompt lookup matches (the pack's, as it was calibrated)."""
+        return self._history.max_n
 
     @property
     def cached_tokens(self) -> list[int]:
@@ -415,33 +423,34 @@ class Engine:
     def _round(self, token: int, draw: Sampler, budget: int) -> list[TokenRecord]:
         """One round after `token`, the last emitted token (not in the cache yet): a plain step, or drafts checked
         in one batch, whichever the controller prices lowest per emitted token. Returns the records of the tokens
-        it emits (at least one; at most `budget` unless the budget is spent)."""
+        it emits (at least one; at most `budget` unless the budget is spent), which share their Round."""
         p = self.ctx.n_past
         limit = self._round_limit(p, budget)
-        lookup = self._lookup_drafts(token, limit) if limit >= 1 and self._history.max_n else []
+        lookup = (lookup_drafts(self._history, token, limit, self.model.is_eog)
+                  if limit >= 1 and self._history.max_n else [])
         plan = self.controller.plan(lookup_drafts=len(lookup), exits=self._exits_draft(), limit=limit,
                                     greedy=draw.params.greedy)
         t0 = time.perf_counter()
         draft_step_ms: list[float] = []
         full_step_ms = None
         if plan.choice == Choice.LOOKUP:
-            records = self._verify(p, token, lookup[: plan.drafts], [], draw)
-            records[0].round_lookup = True
+            round_, records = self._verify(plan.choice, p, token, lookup[: plan.drafts], [], draw)
         elif plan.choice == Choice.EXIT:
-            records, draft_step_ms = self._exit_round(p, token, plan.drafts, draw)
-            if records[0].source == TokenSource.FULL:  # the first step did not exit: no round
+            round_, records, draft_step_ms = self._exit_round(p, token, plan.drafts, draw)
+            if not round_.drafts:  # the first step did not exit: one full-model token, no batch
                 full_step_ms = records[0].forward_ms + records[0].sample_ms
         else:
-            records = [self._sample(self.step(token, exits=False), draw)]
-        first = records[0]
+            round_, records = Round(Choice.PLAIN, emitted=1), [self._sample(self.step(token, exits=False), draw)]
         # a batch's price includes drawing its rows, as a plain step's includes drawing its one
-        batch_ms = first.batch_ms + sum(r.sample_ms for r in records) if first.round_drafts else 0.0
-        first.round_explored = plan.explore
-        first.explore_ms = self.controller.observe(Outcome(
-            plan, emitted=len(records), ms=(time.perf_counter() - t0) * 1e3, drafts=first.round_drafts,
-            accepted=sum(r.source == TokenSource.ACCEPTED for r in records), batch_ms=batch_ms,
-            draft_step_ms=tuple(draft_step_ms), full_step_ms=full_step_ms, greedy=draw.params.greedy))
+        batch_price_ms = round_.batch_ms + sum(r.sample_ms for r in records) if round_.drafts else 0.0
+        round_.explored = plan.explore
+        round_.explore_ms = self.controller.observe(Outcome(
+            plan, emitted=round_.emitted, ms=(time.perf_counter() - t0) * 1e3, drafts=round_.drafts,
+            accepted=round_.accepted, batch_ms=batch_price_ms, draft_step_ms=tuple(draft_step_ms),
+            full_step_ms=full_step_ms, greedy=draw.params.greedy))
         self.controller.watch_lookup(plan, lookup, [r.id for r in records], draw.params.greedy)
+        for record in records:
+            record.round = round_
         return records
 
     def _round_limit(self, p: int, budget: int) -> int:
@@ -458,12 +467,13 @@ class Engine:
         """The pack's exits can draft: some layer can be checked (a level with every layer off drafts by lookup only)."""
         return self.early_exit and not self.policy.idle
 
-    def _exit_round(self, p: int, token: int, limit: int, draw: Sampler) -> tuple[list[TokenRecord], list[float]]:
+    def _exit_round(self, p: int, token: int, limit: int,
+                    draw: Sampler) -> tuple[Round, list[TokenRecord], list[float]]:
         """Drafts from early exits: `token`, then each draft, is decoded alone with exits on; each step's argmax is
         the next draft (after a head-free exit, the candidates'). Drafting stops at a step that runs every layer,
         at `limit` drafts, at an end of generation, or once the drafts' confidence falls below the level's floor.
         If the first step runs every layer, its logits are the full model's own and the cache below it is exact:
-        its token is drawn and there is no round. Returns the records and the drafting steps' times."""
+        its token is drawn and nothing is verified. Returns the round, its records and the drafting steps' times."""
         drafts: list[int] = []
         steps: list[TokenRecord] = []
         feed = token
@@ -473,7 +483,7 @@ class Engine:
             step = self.step(feed)
             steps.append(step)
             if step.exit_layer is None and not drafts:
-                return [self._sample(step, draw)], []
+                return Round(Choice.EXIT, emitted=1), [self._sample(step, draw)], []
             logits = self.ctx.logits()
             drafts.append(int(np.argmax(logits)))
             if draft_stop:  # the confidence costs a softmax over the candidates: only when a floor asks for it
@@ -483,18 +493,10 @@ class Engine:
                 break
             feed = drafts[-1]
         draft_step_ms = [s.forward_ms for s in steps if s.exit_layer is not None]
-        return self._verify(p, token, drafts, steps, draw), draft_step_ms
+        return *self._verify(Choice.EXIT, p, token, drafts, steps, draw), draft_step_ms
 
-    def _lookup_drafts(self, token: int, limit: int) -> list[int]:
-        """Up to `limit` tokens that followed the latest earlier occurrence of the context's last tokens and
-        `token` (not cached yet), cut after an end of generation."""
-        self._history.extend([token])
-        drafts = self._history.continuation(limit)
-        self._history.truncate(len(self._history) - 1)
-        end = next((i for i, t in enumerate(drafts) if self.model.is_eog(t)), None)
-        return drafts if end is None else drafts[: end + 1]
-
-    def _verify(self, p: int, token: int, drafts: list[int], steps: list[TokenRecord], draw: Sampler) -> list[TokenRecord]:
+    def _verify(self, choice: Choice, p: int, token: int, drafts: list[int], steps: list[TokenRecord],
+                draw: Sampler) -> tuple[Round, list[TokenRecord]]:
         """Run [token, draft_1 .. draft_m] through every layer at positions p .. p + m, with logits for each
         row: row i is the full model's distribution after draft_i. Its own token is drawn at each row and the
         draft accepted while they are equal; the first that differs is emitted instead (a correction), and a
@@ -502,9 +504,9 @@ class Engine:
         from the full model's distribution, as in plain decoding, so under sampling the output distribution
         is the full model's exactly; the drafts only decide how many rows one batch checks.
 
-        steps: the drafting steps of an exit round, one per draft (none for lookup drafts). An accepted draft's
-        record is its step's, marked as the full model's token with the layer its draft left at (draft_layer);
-        the step of the first rejected draft, and any after it, charge their cost to the correction."""
+        steps: the drafting steps of an exit round, one per draft (none for lookup drafts). A row's record carries
+        its draft's step's cost, and an accepted draft's the layer its draft left at (draft_layer); the steps
+        past the first rejected draft add their cost to the correction."""
         t0 = time.perf_counter()
         # every draft gets its row, an EOS one too: dropping it could leave a batch of one row, which llama_decode
         # runs as a single-token step that may exit early, not as a verification
@@ -519,17 +521,18 @@ class Engine:
         t1 = time.perf_counter()
         records: list[TokenRecord] = []
         for row in range(len(batch)):
-            record = self._sample(steps[row] if row < len(steps) else TokenRecord(), draw, row)
+            step = steps[row] if row < len(steps) else None
+            record = self._sample(row_record(step), draw, row)
             records.append(record)
-            drafted_at, record.exit_layer, record.exit_kind = record.exit_layer, None, ExitKind.NONE  # the full model's
             if row < len(drafts) and record.id == drafts[row]:
-                record.source, record.draft_layer = TokenSource.ACCEPTED, drafted_at
+                record.source = TokenSource.ACCEPTED
+                record.draft_layer = step.exit_layer if step is not None else None
                 if self.model.is_eog(record.id):
                     break
                 continue
             record.source = TokenSource.BONUS if row == len(drafts) else TokenSource.CORRECTION
             break
-        charge(records[-1], steps[len(records) :])  # drafting steps past the rejection (or an accepted EOS)
+        records[-1] = with_costs_of(records[-1], steps[len(records) :])  # drafting steps past the rejection (or an EOS)
         # the cache keeps `token` and every emitted token but the last; the next draft reads the hidden
         # state of the row that emitted that one
         n_keep = p + len(records)
@@ -537,11 +540,8 @@ class Engine:
             self._truncate(n_keep)
             if keeps_draft:
                 self.ctx.draft_from_row(len(records) - 1)
-        first = records[0]
-        first.round_drafts = len(drafts)
-        first.round_emitted = len(records)
-        first.batch_ms = (t1 - t0) * 1e3
-        return records
+        accepted = sum(r.source == TokenSource.ACCEPTED for r in records)
+        return Round(choice, drafts=len(drafts), accepted=accepted, emitted=len(records), batch_ms=(t1 - t0) * 1e3), records
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Generation:
         records = list(self.stream(prompt, **kwargs))
@@ -584,6 +584,7 @@ class Engine:
         if self.policy is None:
             raise SpecEEError("no pack is loaded: quality levels come from one (specee-edge calibrate MODEL.gguf)")
         self.policy.set_quality(quality)
+        self.controller.exit_prior = self._exit_prior()  # the new level's calibration is the exits' first guess
 
     def reset(self) -> None:
         """Forget the conversation: clear the KV cache."""

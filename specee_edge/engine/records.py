@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
+from specee_edge.engine.controller import Choice
 from specee_edge.engine.sampling import TokenLogprobs
 from specee_edge.exits import ExitKind
 
@@ -18,6 +19,19 @@ class TokenSource(str, Enum):
     ACCEPTED = "accepted"      # exact mode: a draft the verification batch agreed with
     CORRECTION = "correction"  # exact mode: the full model's token where it disagreed with the draft
     BONUS = "bonus"            # exact mode: the full model's next token after a round it accepted whole
+
+
+@dataclass
+class Round:
+    """One round of exact mode, as the controller chose it; the records of the tokens it emitted share it."""
+
+    choice: Choice
+    drafts: int = 0            # drafts its verification batch checked (0: no batch, one token decoded alone)
+    accepted: int = 0          # ... that the full model accepted
+    emitted: int = 0           # tokens it emitted
+    batch_ms: float = 0.0      # its verification batch's llama_decode (the rows' sampling is in their records)
+    explored: bool = False     # taken to measure that choice again (controller.py)
+    explore_ms: float = 0.0    # ... what that cost beyond the choice it displaced
 
 
 @dataclass
@@ -39,14 +53,12 @@ class TokenRecord:
     verify_ms: float = 0.0     # inside forward_ms: exit heads of positive predictions and the top-1 check
     sample_ms: float = 0.0
     source: TokenSource = TokenSource.FULL
-    round_drafts: int = 0      # exact mode, on the first token of a verified round: the drafts it checked
-    batch_ms: float = 0.0      # exact mode, on the first token of a round: its verification batch
-    round_lookup: bool = False  # ... whether its drafts came from prompt lookup (else from early exits)
-    round_emitted: int = 0     # ... the tokens the round emitted
-    round_explored: bool = False  # ... whether the controller took it to measure that choice again (controller.py)
-    explore_ms: float = 0.0    # ... what that exploration cost beyond the choice it displaced
+    round: Round | None = None  # exact mode: the round that emitted it (None: the prompt's token, or no exact mode)
     draft_layer: int | None = None  # exact mode, an accepted draft: the layer its drafting step exited at
     logprobs: TokenLogprobs | None = None  # when the request asked for them
+
+
+TOKEN_TIMES = ("draft", "forward", "predictor", "verify", "sample")  # a record's times (a round's batch is its own)
 
 
 @dataclass
@@ -71,17 +83,19 @@ class GenerationStats:
     lookup_hits: int = 0          # ... that was the emitted token
     rounds: int = 0               # exact mode: verification batches
     lookup_rounds: int = 0        # ... whose drafts came from prompt lookup
-    lookup_round_tokens: int = 0  # ... tokens those emitted
     drafts: int = 0               # ... drafted tokens they checked
     accepted: int = 0             # ... drafts the full model accepted
-    round_tokens: int = 0         # ... tokens the rounds emitted (accepted, corrections and bonuses)
-    plain_steps: int = 0          # exact mode: tokens decoded alone through every layer (the controller's plain choice)
+    round_tokens: int = 0         # ... tokens they emitted (accepted, corrections and bonuses)
+    tokens_by_choice: dict[str, int] = field(default_factory=lambda: dict.fromkeys([c.value for c in Choice], 0))
+    #                               exact mode: decoded tokens by the controller's choice for their round (an exit
+    #                               round whose first step did not exit gave one full-model token: it is an exit's)
     explore_rounds: int = 0       # exact mode: rounds the controller took to measure a choice again
     explore_ms: float = 0.0       # ... what they cost beyond the choices they displaced
     controller: dict = field(default_factory=dict)  # exact mode: the costs and acceptance measured on this machine
     finish_reason: str = ""       # "stop" (EOS or a stop string), "length", "interrupted"
     exit_layers: list[int | None] = field(default_factory=list)
     time_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("draft", "forward", "predictor", "verify", "batch", "sample"), 0.0))
+    _last_round: Round | None = field(default=None, repr=False, compare=False)
 
     def add(self, record: TokenRecord) -> None:
         self.n_decode += 1
@@ -97,17 +111,23 @@ class GenerationStats:
         self.drafted += bool(record.candidates)
         self.lookup_proposals += record.lookup_hit is not None
         self.lookup_hits += bool(record.lookup_hit)
-        self.rounds += record.round_drafts > 0
-        self.lookup_rounds += record.round_lookup
-        self.lookup_round_tokens += record.round_emitted if record.round_lookup else 0
-        self.drafts += record.round_drafts
         self.accepted += record.source == TokenSource.ACCEPTED
         self.round_tokens += record.source in (TokenSource.ACCEPTED, TokenSource.CORRECTION, TokenSource.BONUS)
-        self.plain_steps += record.source == TokenSource.FULL
-        self.explore_rounds += record.round_explored
-        self.explore_ms += record.explore_ms
-        for key in self.time_ms:
+        if record.round is not None:
+            self.tokens_by_choice[record.round.choice.value] += 1
+            if record.round is not self._last_round:  # the round's first token: the round itself counts once
+                self._add_round(record.round)
+        for key in TOKEN_TIMES:
             self.time_ms[key] += getattr(record, f"{key}_ms")
+
+    def _add_round(self, round_: Round) -> None:
+        self._last_round = round_
+        self.rounds += round_.drafts > 0
+        self.lookup_rounds += round_.drafts > 0 and round_.choice == Choice.LOOKUP
+        self.drafts += round_.drafts
+        self.explore_rounds += round_.explored
+        self.explore_ms += round_.explore_ms
+        self.time_ms["batch"] += round_.batch_ms
 
     @property
     def prompt_tok_s(self) -> float:
@@ -171,17 +191,13 @@ class GenerationStats:
         return self.drafts / self.rounds if self.rounds else 0.0
 
     def choice_shares(self) -> dict[str, float]:
-        """Exact mode: the share of decoded tokens from plain steps, lookup rounds and exit-draft rounds."""
-        if not self.n_decode:
-            return {"plain": 0.0, "lookup": 0.0, "exit": 0.0}
-        lookup_tokens = self.lookup_round_tokens
-        return {"plain": self.plain_steps / self.n_decode, "lookup": lookup_tokens / self.n_decode,
-                "exit": (self.round_tokens - lookup_tokens) / self.n_decode}
+        """Exact mode: the share of decoded tokens from the controller's plain steps, lookup rounds and exit rounds."""
+        return {choice: n / self.n_decode if self.n_decode else 0.0 for choice, n in self.tokens_by_choice.items()}
 
     def summary(self) -> dict:
         """The SPEC.md §5 names plus counts and the per-token time split (ms per token)."""
         per_token = {k: v / self.n_decode for k, v in self.time_ms.items()} if self.n_decode else dict(self.time_ms)
-        out = {k: v for k, v in asdict(self).items() if k not in ("exit_layers", "time_ms")}
+        out = {k: v for k, v in asdict(self).items() if k not in ("exit_layers", "time_ms", "_last_round")}
         out.update(
             prompt_tok_s=self.prompt_tok_s,
             decode_tok_s=self.decode_tok_s,
