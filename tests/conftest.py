@@ -88,3 +88,13 @@ def write_two_level_pack(path: Path) -> Path:
     write_pack(path, dataclasses.replace(pack, levels=[loose, strict], default_quality=STRICT,
                                          temperatures=dict.fromkeys(pack.predictors, 1.2)))
     return path
+
+
+BROWSER_MISSING = "no chromium/chromedriver (Debian: apt-get install chromium chromium-driver)"
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """A skipped browser test is said loudly at the end: the chat page went untested on this machine."""
+    skipped = [report for report in terminalreporter.stats.get("skipped", []) if BROWSER_MISSING in str(report.longrepr)]
+    if skipped:
+        terminalreporter.write_sep("!", f"the chat page was NOT tested in a browser: {BROWSER_MISSING}", red=True, bold=True)

@@ -47,6 +47,9 @@ SystemPrompt = Annotated[str | None, typer.Option("-sys", "--system-prompt", sho
 ChatTemplate = Annotated[str | None, typer.Option("--chat-template", show_default=False,
                                                   help="chatml, llama3, mistral, gemma, a Jinja file or a template (default: the model's)")]
 NoEarlyExit = Annotated[bool, typer.Option("--no-early-exit", help="plain decoding: every layer, no drafts (the pack stays loaded)")]
+Speculation = Annotated[str, typer.Option("--speculation", help=(
+    "exact mode: auto (each round as measured cheapest on this machine) or always (draft at every chance, as"
+    " llama.cpp's speculative decoding does; the same rounds on every run)"))]
 Quality = Annotated[str | None, typer.Option("--quality", show_default=False, help=(
     "the pack's quality level: exact (early exits draft tokens that the full model verifies in batches, so the "
     "replies are the model's own), or a lossy level such as 0.95: at each step, the token it emits is the one the full "
@@ -85,6 +88,7 @@ class EngineOptions:
     early_exit: bool
     rpc: str | None = None
     tensor_split: str | None = None
+    speculation: str = "auto"
 
 
 def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str, str | None]:
@@ -106,7 +110,8 @@ def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str,
         raise SpecEEError(f"--threshold is a probability: 0..1, got {opts.threshold:g}")
     set_placement(opts.rpc, opts.n_gpu_layers, opts.tensor_split)
     config = EngineConfig(n_ctx=opts.n_ctx, n_threads=opts.threads or default_threads(), kv_mode=opts.kv_mode,
-                          quality=parse_quality(opts.quality), threshold=opts.threshold, early_exit=opts.early_exit)
+                          quality=parse_quality(opts.quality), threshold=opts.threshold, early_exit=opts.early_exit,
+                          speculation=opts.speculation)
     pack = opts.pack if opts.pack is not None else AUTO
     notice = None
     try:
@@ -196,6 +201,7 @@ def chat(
     system_prompt: SystemPrompt = None,
     chat_template: ChatTemplate = None,
     no_early_exit: NoEarlyExit = False,
+    speculation: Speculation = "auto",
     kv_mode: KvModeOpt = None,
     quality: Quality = None,
     threshold: Threshold = None,
@@ -209,7 +215,7 @@ def chat(
 
     try:
         opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
-                             quality, threshold, not no_early_exit, rpc_workers, tensor_split)
+                             quality, threshold, not no_early_exit, rpc_workers, tensor_split, speculation)
         settings = ReplSettings(sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed), n_predict,
                                 system_prompt, chat_template_text(chat_template), verbose, color_exits)
         engine, label, notice = load_engine(opts, strict_pack=False)
@@ -270,6 +276,7 @@ def generate(
     system_prompt: SystemPrompt = None,
     chat_template: ChatTemplate = None,
     no_early_exit: NoEarlyExit = False,
+    speculation: Speculation = "auto",
     kv_mode: KvModeOpt = None,
     quality: Quality = None,
     threshold: Threshold = None,
@@ -282,7 +289,7 @@ def generate(
     try:
         text = _prompt_text(prompt, file)
         opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
-                             quality, threshold, not no_early_exit, rpc_workers, tensor_split)
+                             quality, threshold, not no_early_exit, rpc_workers, tensor_split, speculation)
         sampling = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
         template = chat_template_text(chat_template)
         engine, _, notice = load_engine(opts, strict_pack=True)

@@ -10,7 +10,7 @@ import typer
 
 from specee_edge.cli.app import app, console, fail
 from specee_edge.cli.chat import (ChatTemplate, CtxSize, EngineOptions, GpuLayers, KvModeOpt, ModelArg, ModelOpt,
-                                  PackOpt, Quality, Rpc, TensorSplit, Threads, chat_template_text, load_engine,
+                                  PackOpt, Quality, Rpc, Speculation, TensorSplit, Threads, chat_template_text, load_engine,
                                   pick_model)
 from specee_edge.errors import SpecEEError
 
@@ -28,6 +28,7 @@ def serve(
     tensor_split: TensorSplit = None,
     threads: Threads = None,
     quality: Quality = None,
+    speculation: Speculation = "auto",
     kv_mode: KvModeOpt = None,
     chat_template: ChatTemplate = None,
     api_key: Annotated[str | None, typer.Option("--api-key", show_default=False, envvar="SPECEE_API_KEY",
@@ -49,7 +50,7 @@ def serve(
     try:
         listener = _listen(host, port)
         opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads,
-                             kv_mode.value if kv_mode else None, quality, None, True, rpc_workers, tensor_split)
+                             kv_mode.value if kv_mode else None, quality, None, True, rpc_workers, tensor_split, speculation)
         template = chat_template_text(chat_template)
         engine, label, notice = load_engine(opts, strict_pack=False)
     except SpecEEError as e:
