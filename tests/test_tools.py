@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -132,29 +133,32 @@ def test_patch_tree_checkout_then_export_gives_back_the_patches(tmp_path):
     patches = ROOT / "patches"
     before = {path: path.read_bytes() for path in patches.rglob("*") if path.is_file()}
     tree, out = tmp_path / "llama.cpp", tmp_path / "patches"
-    run_tool("patch_tree", "checkout", str(tree))
-    run_tool("patch_tree", "export", str(tree), "--patches", str(out))
-    assert {path: path.read_bytes() for path in patches.rglob("*") if path.is_file()} == before  # the repo's untouched
+    try:  # the tree is 230 MB: not left in pytest's kept temporary folders
+        run_tool("patch_tree", "checkout", str(tree))
+        run_tool("patch_tree", "export", str(tree), "--patches", str(out))
+        assert {path: path.read_bytes() for path in patches.rglob("*") if path.is_file()} == before  # untouched
 
-    exported = {path.relative_to(out): path.read_bytes() for path in out.rglob("*") if path.is_file()}
-    assert set(exported) == {path.relative_to(patches) for path in before}
-    for name, text in exported.items():
-        original = (patches / name).read_bytes()
-        if name.parts[0] == "src" or b"\ndiff --git " in original:
-            assert text == original, name
-        else:  # written by hand: the same header, the same change (checked below on the tree)
-            assert header(text) == header(original), name
+        exported = {path.relative_to(out): path.read_bytes() for path in out.rglob("*") if path.is_file()}
+        assert set(exported) == {path.relative_to(patches) for path in before}
+        for name, text in exported.items():
+            original = (patches / name).read_bytes()
+            if name.parts[0] == "src" or b"\ndiff --git " in original:
+                assert text == original, name
+            else:  # written by hand: the same header, the same change (checked below on the tree)
+                assert header(text) == header(original), name
 
-    def git(*args: str, **env: str) -> str:
-        return subprocess.run(["git", *args], cwd=tree, check=True, capture_output=True, text=True,
-                              env={**os.environ, **env}).stdout.strip()
+        def git(*args: str, **env: str) -> str:
+            return subprocess.run(["git", *args], cwd=tree, check=True, capture_output=True, text=True,
+                                  env={**os.environ, **env}).stdout.strip()
 
-    sources = git("log", "--format=%H", "--grep", "^specee sources", "-1")
-    index = {"GIT_INDEX_FILE": str(tmp_path / "index")}
-    git("read-tree", sources, **index)
-    for patch in sorted(out.glob("*.patch")):
-        git("apply", "--cached", str(patch), **index)
-    assert git("write-tree", **index) == git("rev-parse", "HEAD^{tree}")
+        sources = git("log", "--format=%H", "--grep", "^specee sources", "-1")
+        index = {"GIT_INDEX_FILE": str(tmp_path / "index")}
+        git("read-tree", sources, **index)
+        for patch in sorted(out.glob("*.patch")):
+            git("apply", "--cached", str(patch), **index)
+        assert git("write-tree", **index) == git("rev-parse", "HEAD^{tree}")
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
 
 
 def test_patch_tree_refuses_to_export_what_no_checkout_made(tmp_path):
