@@ -6,7 +6,7 @@ and in batches of 4 rows (plain contexts, no early-exit state), and reports the 
 position and how far that moves the sampling distribution at temperature 0.8 (total variation): about the
 chance, per token, that a seeded draw differs.
 
-    .venv/bin/python tools/batch_logits.py MODEL.gguf [--tokens 64]
+    .venv/bin/python tools/batch_logits.py MODEL.gguf [--tokens 64] [-t 2]
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ def distribution(logits: np.ndarray) -> np.ndarray:
     return p / p.sum()
 
 
-def compare(engine: Engine, prompt: list[int], answer: list[int]) -> list[tuple[float, float]]:
+def compare(engine: Engine, prompt: list[int], answer: list[int], threads: int) -> list[tuple[float, float]]:
     """(largest |logit difference|, total variation) at each answer position both decodes cover."""
-    single, batched = (Context(engine.model, n_ctx=1024, n_threads=2) for _ in range(2))
+    single, batched = (Context(engine.model, n_ctx=1024, n_threads=threads) for _ in range(2))
     try:
         single.decode(prompt)
         batched.decode(prompt)
@@ -58,13 +58,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("-t", "--threads", type=int, default=2)
     args = parser.parse_args()
-    engine = Engine(args.model, config=EngineConfig(n_ctx=1024, n_threads=2))
+    engine = Engine(args.model, config=EngineConfig(n_ctx=1024, n_threads=args.threads))
     found = []
     for text in PROMPTS:
         prompt = engine.tokenize(engine.format_prompt(text))
         engine.reset()
-        found += compare(engine, prompt, engine.generate(prompt, max_tokens=args.tokens, sampling=GREEDY).tokens)
+        found += compare(engine, prompt, engine.generate(prompt, max_tokens=args.tokens, sampling=GREEDY).tokens,
+                         args.threads)
     engine.close()
     diff, tv = np.array(found).T
     print(f"{len(diff)} positions: largest logit difference median {np.median(diff):.4f}, 90th percentile "

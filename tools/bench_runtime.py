@@ -5,8 +5,10 @@ In one process, interleaved token by token, greedy, same threads:
   vanilla     stock llama_cpp.Llama on the same (patched) library, early exit never enabled
   plain       our Context without early exit (the wrapper's own overhead)
   idle        early exit enabled, no probe layer set: graphs are the stock ones
-  draft       the shipped pack's draft head in the graph, one native predictor (layer 28) that never fires
-  native_all  the draft and a native predictor after every layer, none firing (threshold above 1)
+  draft       the shipped pack's draft head in the graph, one native check that never fires, after the
+              pack's deepest predictor layer below the last (a verified exit after the last layer would
+              be the output head itself: the runtime allows it head-free or off only)
+  native_all  the draft and a native check after every layer but the last, none firing (threshold above 1)
   python_all  the draft and the Python callback after every layer, never stopping
   stopNN      every generated token stops at NN% depth, for each KV mode (candidates set from Python)
 Decode tokens/s counts generated tokens only: the time inside llama_decode per token (the prompt
@@ -135,8 +137,9 @@ def build_variants(model: Model, threads: int, n_ctx: int) -> list[Variant]:
     pack = read_pack(find_pack(model.info.path))
     draft = LinearDraft(pack.draft, TargetWeights(model.info.path), pack.k)
     mlp = next(iter(pack.predictors.values()))
-    every_layer = range(n_layer - 1)
-    for name, layers, native in (("draft", [max(pack.predictors)], True), ("native_all", every_layer, True),
+    every_layer = range(n_layer - 1)  # a verified check may follow any layer but the last
+    deepest = max(il for il in pack.predictors if il in every_layer)
+    for name, layers, native in (("draft", [deepest], True), ("native_all", every_layer, True),
                                  ("python_all", every_layer, False)):
         ctx = Context(model, n_ctx=n_ctx, n_threads=threads)
         ctx.enable_early_exit(pack.k, "fill")

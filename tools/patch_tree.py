@@ -5,7 +5,7 @@
                    patches/*.patch, its header as the commit message
     export DIR     the other way: patches/*.patch rewritten from DIR's commits after the sources commit
                    (each commit's message becomes its patch's header, its subject the file name), and
-                   patches/src from DIR's copies of our sources
+                   patches/src from DIR's copies of our sources (--patches OUT: into OUT and OUT/src instead)
 
 Editing a hook: change the file in DIR, `git commit --fixup=<the patch's commit>`, then
 `GIT_SEQUENCE_EDITOR=: git rebase -i --autosquash <the sources commit>` and `export`. Moving to a
@@ -72,12 +72,17 @@ def checkout(dest: Path) -> None:
     print(f"{dest}: {len(patch_files())} patch commits on top of '{SOURCES}'")
 
 
-def export(tree: Path) -> None:
+def export(tree: Path, out: Path = PATCH_DIR) -> None:
+    if not (tree / ".git").exists():
+        sys.exit(f"error: {tree} is no git work tree: make one with `patch_tree.py checkout {tree}`")
     log = git(tree, "log", "--reverse", "--format=%H %s", capture=True).splitlines()
     subjects = [line.split(" ", 1) for line in log]
-    base = next(i for i, (_, subject) in enumerate(subjects) if subject == SOURCES)
+    base = next((i for i, (_, subject) in enumerate(subjects) if subject == SOURCES), None)
+    if base is None:
+        sys.exit(f"error: {tree} has no commit '{SOURCES}': not a tree `patch_tree.py checkout` made")
     own = {f"{source_destination(path.name)}/{path.name}" for path in source_files()}
-    for old in patch_files():
+    out.joinpath("src").mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.patch"):
         old.unlink()
     for sha, name in subjects[base + 1:]:
         body = git(tree, "log", "-1", "--format=%b", sha, capture=True).strip()
@@ -87,19 +92,24 @@ def export(tree: Path) -> None:
                 and line.split()[-1].removeprefix("b/") in own]
         if ours:
             sys.exit(f"error: {name} writes our own sources ({ours[0]}): edit them in patches/src instead")
-        (PATCH_DIR / f"{name}.patch").write_text(f"{header}\n{diff}")
+        (out / f"{name}.patch").write_text(f"{header}\n{diff}")
     for path in source_files():
-        shutil.copyfile(tree / source_destination(path.name) / path.name, path)
-    print(f"exported {len(subjects) - base - 1} patches and {len(source_files())} sources from {tree}")
+        shutil.copyfile(tree / source_destination(path.name) / path.name, out / "src" / path.name)
+    print(f"exported {len(subjects) - base - 1} patches and {len(source_files())} sources from {tree} to {out}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("checkout", "export"):
-        sub.add_parser(name).add_argument("dir", type=Path)
+    sub.add_parser("checkout").add_argument("dir", type=Path)
+    export_parser = sub.add_parser("export")
+    export_parser.add_argument("dir", type=Path)
+    export_parser.add_argument("--patches", type=Path, default=PATCH_DIR, help="write here (default: patches/)")
     args = parser.parse_args()
-    (checkout if args.command == "checkout" else export)(args.dir.resolve())
+    if args.command == "checkout":
+        checkout(args.dir.resolve())
+    else:
+        export(args.dir.resolve(), args.patches.resolve())
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Decoding tokens/s including sampling, the two alternating prompt by prompt (each prompt and seed the same in
 both): what the engine's own per-token work costs beyond llama.cpp's.
 
-    .venv/bin/python tools/sampling_overhead.py MODEL.gguf [--tokens 96] [--rounds 2]
+    .venv/bin/python tools/sampling_overhead.py MODEL.gguf [--tokens 96] [--rounds 2] [-t 2]
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("-t", "--threads", type=int, default=2)
     args = parser.parse_args()
-    engine = Engine(args.model, config=EngineConfig(n_ctx=2048, n_threads=2))
-    llm = Llama(model_path=args.model, n_ctx=2048, n_threads=2, n_threads_batch=2, verbose=False)
+    engine = Engine(args.model, config=EngineConfig(n_ctx=2048, n_threads=args.threads, early_exit=False))
+    llm = Llama(model_path=args.model, n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
     sampling = SamplingParams()
     totals = {"engine": [0, 0.0], "Llama": [0, 0.0]}  # tokens after the first, seconds
     for _ in range(args.rounds):

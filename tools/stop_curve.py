@@ -21,7 +21,7 @@ from rich.table import Table
 
 from specee_edge.bench.run import draft_setup
 from specee_edge.default_model import default_model_path
-from specee_edge.engine.engine import AUTO, Engine
+from specee_edge.engine.engine import AUTO, Engine, EngineConfig
 from specee_edge.engine.sampling import GREEDY
 from specee_edge.runtime.costs import CostLane, checked_context, lane_context, stop_layers, time_rounds
 from specee_edge.runtime.model import Model
@@ -40,7 +40,7 @@ def main() -> int:
     args = parser.parse_args()
     model_path = args.model or default_model_path()
 
-    engine = Engine(model_path, pack=args.pack or AUTO)
+    engine = Engine(model_path, pack=args.pack or AUTO, config=EngineConfig(n_threads=args.threads))
     try:
         setup, k, n_layer = draft_setup(engine), engine.policy.k, engine.model.info.n_layer
         prompt = engine.tokenize(engine.format_prompt(PROMPT))
