@@ -287,12 +287,7 @@ def test_exploration_notices_cheaper_batches_across_short_requests():
     rng = random.Random(0)
     for _ in range(40):
         controller.begin_request()
-        for _ in range(rng.randint(32, 44)):
-            chosen = plan(controller, lookup=1, limit=1)
-            if chosen.choice == Choice.LOOKUP:
-                controller.observe(Outcome(chosen, emitted=2, ms=10.5, drafts=1, accepted=1, batch_ms=10.5))
-            else:
-                controller.observe(Outcome(chosen, emitted=1, ms=10.0))
+        rounds_on_cheap_batches(controller, rng.randint(32, 44))
     assert plan(controller, lookup=1, limit=1).choice == Choice.LOOKUP
 
 
@@ -301,13 +296,18 @@ def test_exploration_notices_a_choice_that_starts_to_pay():
     controller = measured(10.0, {2: 19.0})
     accept(controller, Choice.LOOKUP, 1, 2, rounds=3)  # acceptance 0.5: 12.7 ms a token, plain steps win
     assert plan(controller, lookup=1, limit=1).choice == Choice.PLAIN
-    for _ in range(EXPLORE_WAIT * 8):
+    rounds_on_cheap_batches(controller, EXPLORE_WAIT * 8)
+    assert plan(controller, lookup=1, limit=1).choice == Choice.LOOKUP
+
+
+def rounds_on_cheap_batches(controller: Controller, n: int) -> None:
+    """n rounds as planned where a plain step costs 10 ms and a lookup round of one draft, accepted, 10.5."""
+    for _ in range(n):
         chosen = plan(controller, lookup=1, limit=1)
         if chosen.choice == Choice.LOOKUP:
             controller.observe(Outcome(chosen, emitted=2, ms=10.5, drafts=1, accepted=1, batch_ms=10.5))
         else:
             controller.observe(Outcome(chosen, emitted=1, ms=10.0))
-    assert plan(controller, lookup=1, limit=1).choice == Choice.LOOKUP
 
 
 def test_shadow_rounds_track_lookup_while_decoding_plainly():
