@@ -17,10 +17,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from importlib import resources
+from typing import TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -43,6 +45,7 @@ RETRY_AFTER_S = 1
 CLIENT_GONE = 499
 MAX_BODY_BYTES = 8 << 20  # far above what a context of tokens takes as text
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
 
 
 @dataclass
@@ -187,18 +190,17 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         """One model is served, under any name (clients hard-code theirs): its object says which it is."""
         return model_object()
 
+    # Bodies are parsed and checked off the event loop, which serves every client's stream: a body of millions of
+    # token ids took seconds of CPU. A template may be slow on long conversations too.
     @v1.post("/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        # a template may be slow on long conversations: not on the event loop, which serves every client
+    async def chat_completions(request: Request) -> Response:
+        body = await run_in_threadpool(_parse, ChatCompletionRequest, await request.body())
         prompt = await run_in_threadpool(_format_chat, engine, body, config.chat_template)
         return await _complete(request, body, prompt, chat=True)
 
     @v1.post("/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        with refused_as("prompt"):
-            prompt = body.single_prompt()
-            if isinstance(prompt, list):
-                check_token_ids(prompt, engine.model.info.n_vocab, "prompt")
+    async def completions(request: Request) -> Response:
+        body, prompt = await run_in_threadpool(_completion, engine, await request.body())
         return await _complete(request, body, prompt, chat=False)
 
     app.include_router(v1)
@@ -211,6 +213,10 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
                         *, chat: bool) -> Response:
         if body.n != 1:
             raise ApiError(400, f"n must be 1 (one choice per request), got {body.n}", code="unsupported_value")
+        if body.reply_limit is not None and body.reply_limit > engine.ctx.n_ctx:
+            field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+            raise ApiError(400, f"{field} is {body.reply_limit}, more than the context holds ({engine.ctx.n_ctx} tokens,"
+                                " prompt included)", param=field)
         sampling = body.sampling()
         with refused_as("logit_bias"):  # the Sampler's own check, made before the request waits in the queue
             check_logit_bias(sampling.logit_bias, engine.model.info.n_vocab)
@@ -340,6 +346,44 @@ def refused_as(param: str) -> Iterator[None]:
         yield
     except (ValueError, SpecEEError) as e:
         raise ApiError(400, str(e), param=param) from None
+
+
+def _json(raw: bytes) -> object:
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _validate(model: type[Body], data: object) -> Body:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:  # answered as FastAPI's own validation of a body
+        raise RequestValidationError(e.errors()) from None
+
+
+def _parse(model: type[Body], raw: bytes) -> Body:
+    return _validate(model, _json(raw))
+
+
+def _completion(engine: Engine, raw: bytes) -> tuple[CompletionRequest, str | list[int]]:
+    """A completion request and its one prompt. A prompt of token ids is refused by its length first, before
+    anything walks it: it cannot be longer than the context."""
+    data = _json(raw)
+    prompt = data.get("prompt") if isinstance(data, dict) else None
+    if isinstance(prompt, list) and prompt:
+        batch = isinstance(prompt[0], (str, list))  # OpenAI's list of prompts (of one prompt: validation says so)
+        ids = (prompt[0] if len(prompt) == 1 else None) if batch else prompt
+        if isinstance(ids, list) and len(ids) >= engine.ctx.n_ctx:
+            raise ApiError(400, f"the prompt ({len(ids)} tokens) does not fit the context of {engine.ctx.n_ctx}"
+                                " (use a larger -c/--ctx-size or a shorter prompt)",
+                           code="context_length_exceeded", param="prompt")
+    body = _validate(CompletionRequest, data)
+    with refused_as("prompt"):
+        prompt = body.single_prompt()
+        if isinstance(prompt, list):
+            check_token_ids(prompt, engine.model.info.n_vocab, "prompt")
+    return body, prompt
 
 
 def _format_chat(engine: Engine, body: ChatCompletionRequest, template: str | None) -> str:
