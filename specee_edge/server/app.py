@@ -33,6 +33,7 @@ from specee_edge.engine.sampling import check_logit_bias
 from specee_edge.errors import ContextFullError, SpecEEError
 from specee_edge.exits import depth_band, depth_bands
 from specee_edge.pack import PackLevelError, parse_quality
+from specee_edge.runtime import rpc
 from specee_edge.runtime.model import check_token_ids
 from specee_edge.server import protocol
 from specee_edge.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -168,8 +169,12 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "queued": worker.queued, "tokens_generated": worker.tokens_generated}
+    async def health() -> JSONResponse:
+        """503 once an RPC worker holding the model's layers is lost: no request can be served until a restart."""
+        body = {"status": "ok", "queued": worker.queued, "tokens_generated": worker.tokens_generated}
+        if lost := lost_workers(engine):
+            body |= {"status": "error", "lost_workers": lost, "message": lost_message(lost)}
+        return JSONResponse(body, status_code=503 if lost else 200)
 
     def model_object() -> dict:
         policy = engine.policy
@@ -217,6 +222,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
             raise ApiError(400, f"{field} is {body.reply_limit}, more than the context holds ({engine.ctx.n_ctx} tokens,"
                                 " prompt included)", param=field)
+        if lost := lost_workers(engine):  # the request would only fail in the queue
+            raise ApiError(503, lost_message(lost), "server_error", "worker_lost")
         sampling = body.sampling()
         with refused_as("logit_bias"):  # the Sampler's own check, made before the request waits in the queue
             check_logit_bias(sampling.logit_bias, engine.model.info.n_vocab)
@@ -386,6 +393,16 @@ def _completion(engine: Engine, raw: bytes) -> tuple[CompletionRequest, str | li
     return body, prompt
 
 
+def lost_workers(engine: Engine) -> list[str]:
+    """The RPC workers holding the model's layers that stopped answering."""
+    return [str(worker) for worker in engine.model.workers if rpc.is_lost(worker)]
+
+
+def lost_message(lost: list[str]) -> str:
+    return (f"lost the RPC worker{'s' if len(lost) > 1 else ''} at {', '.join(lost)}, which held layers of the model:"
+            " restart the worker, then this server")
+
+
 def _format_chat(engine: Engine, body: ChatCompletionRequest, template: str | None) -> str:
     try:
         return engine.format_chat([m.for_template() for m in body.messages], template)
@@ -424,6 +441,8 @@ def _api_error(e: Exception) -> ApiError:
         return ApiError(400, str(e), code="context_length_exceeded", param="messages")
     if isinstance(e, ServerClosingError):
         return ApiError(503, str(e), "server_error", "shutting_down")
+    if isinstance(e, rpc.WorkerLostError):  # the server's trouble, not the request's
+        return ApiError(503, str(e), "server_error", "worker_lost")
     if isinstance(e, SpecEEError):
         return ApiError(400, str(e))
     return ApiError(500, f"the server failed: {type(e).__name__}: {e}", "server_error")
