@@ -95,6 +95,18 @@ def test_a_model_split_across_two_workers_answers_as_on_one_machine(workers, exa
     print(json.dumps({k: result[k] for k in ("replies_per_token", "wait_ms_per_token", "bare_round_trip_ms")}))
 
 
+def test_a_stop_before_the_first_remote_layer_sends_the_workers_nothing(workers, exact_pack):  # noqa: F811
+    """The draft head lives with the first layer, on this machine: a token that stops before the workers' layers
+    runs none of their graphs but one, and waits for 2 replies (with the draft head on the first worker: 9.1).
+    The 2 left are the probe's: its candidates' rows of the LM head, which -ngl puts on the last worker."""
+    proc = client("local_stop", exact_pack, workers)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    result = json.loads(out.splitlines()[-1])
+    assert set(result["exits"]) == {result["layer"]}
+    assert result["replies_per_token"] < 3, result
+
+
 def test_a_worker_killed_mid_reply_is_an_error_and_the_process_lives_on(exact_pack):  # noqa: F811
     ports = [free_port(), free_port()]
     started = [start_worker(port) for port in ports]
