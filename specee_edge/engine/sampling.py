@@ -22,7 +22,6 @@ from specee_edge.runtime.model import check_token_ids
 MAX_REPEAT_LAST_N = 1 << 20  # the penalty sampler keeps a ring of this many int32 tokens (4 MiB)
 INT32_MAX = 2**31 - 1        # top_k's type in llama.cpp
 MAX_SEED = 2**32 - 2         # 2**32 - 1 is LLAMA_DEFAULT_SEED, "a random seed"
-MAX_LOGPROBS = 20            # the alternatives listed per token (OpenAI's top_logprobs limit)
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
@@ -30,10 +29,10 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
         raise SpecEEError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
 
 
-def check_n_logprobs(n: int | None) -> None:
-    """How many alternatives each token's logprobs lists (None: no logprobs)."""
+def check_n_logprobs(n: int | None, n_vocab: int) -> None:
+    """How many alternatives each token's logprobs lists (None: no logprobs): at most the whole vocabulary."""
     if n is not None:
-        _check_int("logprobs", n, 0, MAX_LOGPROBS)
+        _check_int("logprobs", n, 0, n_vocab)
 
 
 @dataclass
@@ -159,7 +158,7 @@ class Sampler:
         self._chain = None  # before the checks: __del__ closes a sampler that failed them too
         params.check()
         check_logit_bias(params.logit_bias, n_vocab)
-        check_n_logprobs(n_logprobs)
+        check_n_logprobs(n_logprobs, n_vocab)
         self.params = params
         self.n_vocab = n_vocab
         self.n_logprobs = n_logprobs

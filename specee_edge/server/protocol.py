@@ -18,14 +18,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from specee_edge.engine import GenerationStats, SamplingParams, TokenRecord
-from specee_edge.engine.sampling import INT32_MAX, MAX_LOGPROBS, MAX_REPEAT_LAST_N, MAX_SEED, TokenLogprobs
+from specee_edge.engine.sampling import INT32_MAX, MAX_REPEAT_LAST_N, MAX_SEED, TokenLogprobs
 from specee_edge.engine.stops import MAX_STOP_CHARS
 from specee_edge.errors import SpecEEError
 from specee_edge.exits import ExitKind
 from specee_edge.runtime.model import utf8
 
 MAX_STOPS = 4             # OpenAI's limit (the engine takes up to stops.MAX_STOPS)
-MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat's top_logprobs (20); completions' logprobs goes to 5
+MAX_TOP_LOGPROBS = 20     # chat's top_logprobs; completions' logprobs goes to 5
 BAN = -100.0              # OpenAI: a bias of -100 bans the token (a finite -100 would not, at a head-free exit's 4 candidates)
 LOGPROB_FLOOR = -9999.0   # JSON has no -Infinity
 # fields this server knows but cannot honour, and the values that ask for nothing
