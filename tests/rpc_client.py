@@ -3,6 +3,8 @@ as long as the process, and the test process goes on to load models that must no
 
     python -m tests.rpc_client compare PACK N_GPU_LAYERS HOST:PORT,...   one JSON line: tokens, exits, replies
     python -m tests.rpc_client kill PACK N_GPU_LAYERS HOST:PORT,...      waits for a line on stdin mid-reply
+    python -m tests.rpc_client local_stop PACK N_GPU_LAYERS HOST:PORT,...  the replies a token stopped before the
+                                                                          first remote layer waits for
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import hashlib
 import json
 import sys
 
+from specee_edge.default_model import default_model_path
 from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.errors import SpecEEError
 from specee_edge.pack import parse_quality
-from specee_edge.runtime import rpc
+from specee_edge.runtime import Model, rpc
+from specee_edge.runtime.costs import CostLane, DraftSetup, checked_context
 
 QUESTIONS = ("Write a haiku about rain.",)  # its answers exit on both sides of the split
 MODES = {"plain": None, "lossy": "0.9", "exact": "exact"}  # the shipped pack's 0.9 level; exact as the test adds it
@@ -87,7 +91,31 @@ def kill(pack: str, n_gpu_layers: int, endpoints: tuple[rpc.Endpoint, ...]) -> d
     return {"first": first, "errors": errors, "local_after": after}
 
 
+def local_stop(pack: str, n_gpu_layers: int, endpoints: tuple[rpc.Endpoint, ...]) -> dict:
+    """A context with the pack's draft head and a check after a layer on this machine that stops every token
+    (head-free): the replies a token waits for although the workers' layers never run."""
+    engine = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS))
+    prompt = engine.tokenize(engine.format_chat([{"role": "user", "content": QUESTIONS[0]}]))
+    tokens = engine.generate(prompt, max_tokens=TOKENS, sampling=GREEDY).tokens
+    mlp = engine.policy.predictors[max(engine.policy.predictors)]
+    setup = DraftSetup(engine.policy.draft.runtime_args(), (mlp.weights, mlp.biases))
+    k, n_layer = engine.policy.k, engine.n_layer
+    engine.close()
+    rpc.set_placement(endpoints, rpc.Offload(n_gpu_layers, (1.0,) * len(endpoints)))
+    layer = n_layer - n_gpu_layers - 2  # two before the first remote layer
+    lane = CostLane("stop", checked_context(Model(default_model_path()), setup, [layer], threshold=-1.0, n_ctx=512,
+                                            n_threads=THREADS, k=k), layer + 1)
+    lane.start(prompt)
+    before = rpc.replies(endpoints)
+    exits = []
+    for token in tokens:
+        lane.step(token)
+        exits.append(lane.ctx.exit_layer)
+    used = rpc.replies(endpoints) - before
+    return {"layer": layer, "exits": exits, "replies_per_token": used.count / len(tokens)}
+
+
 if __name__ == "__main__":
     command, pack_path, layers, workers = sys.argv[1:5]
-    run = {"compare": compare, "kill": kill}[command]
+    run = {"compare": compare, "kill": kill, "local_stop": local_stop}[command]
     print(json.dumps(run(pack_path, int(layers), rpc.parse_endpoints(workers))), flush=True)

@@ -4,7 +4,8 @@ default model's layers (ggml's RPC backend), the first layers stay on the client
 The client runs in its own process (tests/rpc_client.py): ggml keeps registered workers for the life of a
 process. Greedy answers with exits off, at a lossy level and in exact mode must be the one-machine engine's;
 a worker killed mid-reply is a Python error and the client process lives on; a worker that is not there is
-a one-line error before anything loads.
+a one-line error before anything loads; a worker that goes silent without closing its connection is lost
+after --rpc-timeout, and a server says so (503, /health) instead of hanging.
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from specee_edge.errors import SpecEEError
 from specee_edge.runtime import rpc
+from specee_edge.cli.chat import RPC_TIMEOUT_S
 from tests.conftest import SHIPPED_PACK
 from tests.test_exact import exact_pack  # noqa: F401  (the shipped pack with an exact level: a fixture)
 
@@ -91,6 +95,18 @@ def test_a_model_split_across_two_workers_answers_as_on_one_machine(workers, exa
     print(json.dumps({k: result[k] for k in ("replies_per_token", "wait_ms_per_token", "bare_round_trip_ms")}))
 
 
+def test_a_stop_before_the_first_remote_layer_sends_the_workers_nothing(workers, exact_pack):  # noqa: F811
+    """The draft head lives with the first layer, on this machine: a token that stops before the workers' layers
+    runs none of their graphs but one, and waits for 2 replies (with the draft head on the first worker: 9.1).
+    The 2 left are the probe's: its candidates' rows of the LM head, which -ngl puts on the last worker."""
+    proc = client("local_stop", exact_pack, workers)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    result = json.loads(out.splitlines()[-1])
+    assert set(result["exits"]) == {result["layer"]}
+    assert result["replies_per_token"] < 3, result
+
+
 def test_a_worker_killed_mid_reply_is_an_error_and_the_process_lives_on(exact_pack):  # noqa: F811
     ports = [free_port(), free_port()]
     started = [start_worker(port) for port in ports]
@@ -130,10 +146,150 @@ def test_a_worker_on_another_address_warns_and_ctrl_c_stops_it():
     assert f"rpc-worker on 0.0.0.0:{port} stopped" in out
 
 
-@pytest.mark.parametrize("text", ["", "host", "host:", ":50052", "host:0", "host:70000", "::1:50052", "a:1,a:1"])
+@pytest.mark.parametrize("text", ["", "host", "host:", ":50052", "host:0", "host:70000", "::1:50052", "a:1,a:1",
+                                  "127.0.0.1:5\u00b2", "127.0.0.1:\u0665\u0660"])  # digits, but not ASCII ones
 def test_bad_worker_addresses_are_one_line(text):
     with pytest.raises(SpecEEError):
         rpc.parse_endpoints(text)
+
+
+def test_two_names_of_one_worker_are_a_worker_named_twice():
+    with pytest.raises(SpecEEError, match=r"names a worker twice: .*\(localhost:50052 and 127\.0\.0\.1:50052 are both "
+                                          r"127\.0\.0\.1:50052\)"):
+        rpc.parse_endpoints("localhost:50052,127.0.0.1:50052")
+    assert len(rpc.parse_endpoints("localhost:50052,127.0.0.1:50053")) == 2
+
+
+def test_the_cli_default_timeout_is_the_runtimes():
+    assert RPC_TIMEOUT_S == rpc.DEFAULT_TIMEOUT_S
+
+
+def test_a_worker_bound_by_name_binds_its_address():
+    """ggml's server binds IPv4 literals only: `--host localhost` binds 127.0.0.1 (it warned, then failed)."""
+    port = free_port()
+    worker = start_worker(port, host="localhost")
+    worker.send_signal(signal.SIGINT)
+    out, err = worker.communicate(timeout=10)
+    assert worker.returncode == 0, err
+    assert "WARNING" not in err and f"--host localhost is {rpc.LOOPBACK}" in out
+    bad = subprocess.run([str(CLI), "rpc-worker", "--host", "no-such-host.invalid", "--port", str(port)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [
+        "error: --host no-such-host.invalid is not an IPv4 address and names none (ggml's RPC server binds IPv4 only)"]
+
+
+class SilentListener:
+    """A TCP listener on loopback that accepts connections and never sends a byte (a frozen worker); with
+    `upstream`, it relays to that worker until `silence()`, then swallows whatever arrives (a cut cable)."""
+
+    def __init__(self, upstream: int | None = None):
+        self.upstream = upstream
+        self.silent = threading.Event()
+        self.sock = socket.create_server((rpc.LOOPBACK, 0))
+        self.port = self.sock.getsockname()[1]
+        self.connections: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def silence(self) -> None:
+        self.silent.set()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections.append(client)
+            if self.upstream is None:
+                threading.Thread(target=self._swallow, args=(client,), daemon=True).start()
+                continue
+            server = socket.create_connection((rpc.LOOPBACK, self.upstream))
+            self.connections.append(server)
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._relay, args=(source, sink), daemon=True).start()
+
+    def _swallow(self, source: socket.socket) -> None:
+        try:
+            while source.recv(1 << 16):
+                pass
+        except OSError:
+            return
+
+    def _relay(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                if not self.silent.is_set():
+                    sink.sendall(data)
+            sink.shutdown(socket.SHUT_WR)  # a closed end closes the other (the worker serves one client at a time)
+        except OSError:
+            return
+
+    def close(self) -> None:
+        self.sock.close()
+        for connection in self.connections:
+            connection.close()
+
+
+def test_a_worker_that_never_answers_is_one_line_after_the_timeout():
+    """It accepts the connection and never replies to the handshake: ggml waited forever."""
+    listener = SilentListener()
+    try:
+        start = time.monotonic()
+        cli = subprocess.run([str(CLI), "generate", "-p", "hi", "-n", "1", "--rpc", f"{rpc.LOOPBACK}:{listener.port}",
+                              "--rpc-timeout", "1"], capture_output=True, text=True, timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        listener.close()
+    assert cli.returncode == 1, cli.stderr
+    assert cli.stderr.strip().splitlines()[-1] == (
+        f"error: {rpc.LOOPBACK}:{listener.port} did not answer as an RPC worker (a different llama.cpp version?)")
+    assert "recv timed out" in cli.stderr  # ggml's own log line, above ours
+    assert elapsed < 30
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "1e9"])
+def test_a_bad_timeout_is_one_line(value):
+    cli = subprocess.run([str(CLI), "generate", "-p", "hi", "-n", "1", "--rpc", f"{rpc.LOOPBACK}:{free_port()}",
+                          "--rpc-timeout", value], capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 1 and cli.stderr.strip().splitlines() == [
+        f"error: --rpc-timeout takes seconds in [0, 86400] (0: wait forever), got {float(value):g}"]
+
+
+def test_a_worker_gone_silent_mid_service_is_the_servers_503():
+    """A server whose worker stops answering (its connection left open): the request in hand fails after
+    --rpc-timeout with 503 worker_lost (not a hang, not 400 invalid_request_error forever), /health says
+    503 and names the worker, later requests get 503 at once, and Ctrl+C still stops the server."""
+    from tests.test_server import Server
+
+    worker_port = free_port()
+    worker = start_worker(worker_port)
+    relay = SilentListener(upstream=worker_port)
+    endpoint = f"{rpc.LOOPBACK}:{relay.port}"
+    server = None
+    try:
+        server = Server("--rpc", endpoint, "--rpc-timeout", "2", "-ngl", "10")
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+        url = f"{server.url}/v1/chat/completions"
+        assert httpx.post(url, json=body, timeout=60).status_code == 200
+        relay.silence()
+        start = time.monotonic()
+        failed = httpx.post(url, json=body, timeout=60)
+        assert failed.status_code == 503, failed.text
+        assert failed.json()["error"]["code"] == "worker_lost" and endpoint in failed.json()["error"]["message"]
+        assert time.monotonic() - start < 30
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["lost_workers"] == [endpoint]
+        again = httpx.post(url, json=body, timeout=10)
+        assert again.status_code == 503 and again.json()["error"]["code"] == "worker_lost"
+    finally:
+        try:
+            out = server.stop() if server is not None else ""
+        finally:  # a server that did not stop (the hang this test is about) takes nothing else with it
+            if server is not None and server.proc.poll() is None:
+                server.proc.kill()
+            relay.close()
+            stop(worker)
+    assert server.proc.returncode == 0 and "Traceback" not in out, out
 
 
 def test_worker_addresses_parse():

@@ -371,6 +371,18 @@ def test_logprobs_come_from_the_full_distribution(some_server: Server, stream: b
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "quality": "best"}).encode(), 400, "quality"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 2}).encode(), 400, "n must be 1"),
     (json.dumps({"messages": [{"role": "user", "content": "word " * 1500}]}).encode(), 400, f"context of {N_CTX}"),
+    # fields that size an allocation, or reach llama.cpp as 32-bit integers, are bounded: never wrapped
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "repeat_last_n": 2**26, "repeat_penalty": 1.1}).encode(),
+     400, "repeat_last_n: Input should be less than or equal to 1048576"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "repeat_last_n": 2**40}).encode(), 400, "repeat_last_n"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "top_k": 2**32 + 40}).encode(), 400, "top_k"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "seed": 2**32}).encode(), 400, "seed"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": N_CTX + 1}).encode(), 400,
+     f"max_tokens is {N_CTX + 1}, more than the context holds ({N_CTX} tokens"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2**40}).encode(), 400,
+     "max_completion_tokens"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}).encode(), 400,
+     "top_logprobs"),
 ])
 def test_bad_requests_get_an_error_object(server: Server, body: bytes, status: int, needle: str):
     assert_refused(server, "chat/completions", body, status, needle)
@@ -396,10 +408,47 @@ def assert_refused(server: Server, route: str, body: bytes, status: int, needle:
     ([[1, -2, 3]], "prompt names tokens outside the vocabulary [0, 49152): [-2]"),
     (["one", "two"], "one prompt per request"),
     ([1, "two"], "prompt"),
+    ([True, 1], "prompt"),  # JSON's true is not token 1
+    ([[1, False]], "prompt"),
 ])
 def test_bad_completion_prompts_get_a_400(server: Server, prompt, needle: str):
     error = assert_refused(server, "completions", json.dumps({"prompt": prompt, "max_tokens": 2}).encode(), 400, needle)
     assert error["param"] in ("prompt", None)  # None: a body the schema refused, named in the message
+
+
+def test_completion_logprobs_are_bounded(server: Server):
+    assert_refused(server, "completions", json.dumps({"prompt": "hi", "logprobs": 6}).encode(), 400, "logprobs")
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's user and system CPU time so far (Linux's /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_prompt_of_millions_of_ids_is_refused_by_its_length(server: Server):
+    """Refused before anything walks the ids: the body of 4 M ids (7.6 MiB) cost the server 2.6 s of CPU on the
+    event loop before its refusal for the context. CPU time, not wall time: the machine may be busy."""
+    body = json.dumps({"prompt": [1] * 4_000_000, "max_tokens": 2}, separators=(",", ":")).encode()
+    before = cpu_seconds(server.proc.pid)
+    error = assert_refused(server, "completions", body, 400, f"the prompt (4000000 tokens) does not fit the context of {N_CTX}")
+    assert cpu_seconds(server.proc.pid) - before < 1.2
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+
+
+def test_a_refused_prompt_keeps_the_cached_conversation(client: OpenAI):
+    """A prompt the context cannot hold is refused before the cache is touched: the conversation's next turn still
+    finds its cells (the refusal had emptied the cache)."""
+    import openai
+
+    first = ask(client, QUESTIONS[5], max_tokens=8)
+    messages = [{"role": "user", "content": QUESTIONS[5]},
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And 13 times 13?"}]
+    with pytest.raises(openai.BadRequestError):
+        ask(client, "word " * 1500)
+    second = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=4, messages=messages)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
 
 
 def test_a_completion_prompt_of_token_ids_is_the_texts_tokens(client: OpenAI):

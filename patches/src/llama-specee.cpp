@@ -558,8 +558,10 @@ int32_t llama_specee::set_draft(ggml_type type, int32_t n_draft_vocab, const flo
     d.eps       = eps;
     d.generation = ++n_drafts_set; // what the graph-reuse check compares
 
-    // on the first (highest-priority) device, where the layers run when they are offloaded
-    ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(lctx.backend_ptrs[0]);
+    // on the device of the first layer, whose probes read the draft's candidates first: with layers on other
+    // machines (RPC) the first device is a worker, and a draft there cost a graph and replies every token, even
+    // for an exit before the first remote layer; the model's first device when every layer is offloaded
+    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(lctx.model.dev_layer(0));
     ggml_backend_buffer_ptr buf(ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft));
     if (!buf) {
         return -2;

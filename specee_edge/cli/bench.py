@@ -12,7 +12,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specee_edge.cli.app import app, console, err_console, fail
-from specee_edge.cli.chat import GpuLayers, Rpc, TensorSplit, set_placement
+from specee_edge.cli.chat import RPC_TIMEOUT_S, GpuLayers, Rpc, RpcTimeout, TensorSplit, set_placement
 from specee_edge.errors import SpecEEError
 
 REFRESH_S = 0.2
@@ -49,6 +49,7 @@ def bench(
     threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: up to 8)")] = None,
     n_gpu_layers: GpuLayers = None,
     rpc_workers: Rpc = None,
+    rpc_timeout: RpcTimeout = RPC_TIMEOUT_S,
     tensor_split: TensorSplit = None,
     quality: Annotated[str | None, typer.Option("--quality", show_default=False, help=(
         "the pack's quality levels to run, each its own SpecEE lane: exact (the full model's own answers, drafts "
@@ -76,7 +77,7 @@ def bench(
     try:
         if mode != "all" and mode not in KV_MODES:
             raise SpecEEError(f"unknown KV mode {mode!r}: choose {', '.join(KV_MODES)} or all")
-        set_placement(rpc_workers, n_gpu_layers, tensor_split)
+        set_placement(rpc_workers, n_gpu_layers, tensor_split, rpc_timeout)
         config = BenchConfig(
             model=resolve_model(model), pack=pack or AUTO, prompt_set=prompts, num_prompts=num_prompts,
             tokens=tokens, kv_modes=modes, threads=threads or default_threads(), quality=quality, threshold=threshold,

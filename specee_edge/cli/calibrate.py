@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from specee_edge.cli.app import app, console, err_console, fail
-from specee_edge.cli.chat import GpuLayers, Rpc, TensorSplit, set_placement
+from specee_edge.cli.chat import RPC_TIMEOUT_S, GpuLayers, Rpc, RpcTimeout, TensorSplit, set_placement
 from specee_edge.errors import SpecEEError
 
 
@@ -24,6 +24,7 @@ def calibrate(
     threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads")] = None,
     n_gpu_layers: GpuLayers = None,
     rpc_workers: Rpc = None,
+    rpc_timeout: RpcTimeout = RPC_TIMEOUT_S,
     tensor_split: TensorSplit = None,
     seed: Annotated[int, typer.Option("-s", "--seed", help="seed of the splits and the MLPs")] = 0,
     levels: Annotated[str, typer.Option("--levels", help="quality levels: the agreements with the full model to aim for, comma-separated (each ships under the agreement the low end of its held-out 95% interval reaches)")] = "0.9,0.95,0.98,0.99,0.995",
@@ -58,7 +59,7 @@ def calibrate(
         replay_tokens = DEFAULT_SIZE.replay_tokens if replay_tokens is None else replay_tokens
         heldout_tokens = DEFAULT_SIZE.heldout_tokens if heldout_tokens is None else heldout_tokens
         identical_tokens = DEFAULT_SIZE.identical_tokens if identical_tokens is None else identical_tokens
-        set_placement(rpc_workers, n_gpu_layers, tensor_split)
+        set_placement(rpc_workers, n_gpu_layers, tensor_split, rpc_timeout)
         model_path = resolve_model(model)
         try:
             level_list = tuple(sorted({float(q) for q in levels.split(",")}))

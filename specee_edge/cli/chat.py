@@ -33,6 +33,10 @@ GpuLayers = Annotated[str | None, typer.Option("-ngl", "--n-gpu-layers", show_de
 Rpc = Annotated[str | None, typer.Option("--rpc", show_default=False, help=(
     "comma-separated RPC workers (HOST:PORT, each running `specee-edge rpc-worker`): the offloaded layers go to them,"
     " as llama.cpp's --rpc; the first layers stay on this machine. RPC has no authentication: trusted networks only"))]
+RPC_TIMEOUT_S = 60.0  # runtime.rpc.DEFAULT_TIMEOUT_S (not imported here: it loads the runtime)
+RpcTimeout = Annotated[float, typer.Option("--rpc-timeout", help=(
+    "seconds one send or receive to an RPC worker may wait before the worker counts as lost (a power loss or a cut"
+    " cable closes no connection); 0: wait forever. Raise it where a worker's share of a long prompt takes longer"))]
 TensorSplit = Annotated[str | None, typer.Option("-ts", "--tensor-split", show_default=False, help=(
     "the offloaded layers' shares per device, comma-separated, in llama.cpp's order (the --rpc workers first),"
     " e.g. 3,1 (default: by each device's free memory)"))]
@@ -89,6 +93,7 @@ class EngineOptions:
     rpc: str | None = None
     tensor_split: str | None = None
     speculation: str = "auto"
+    rpc_timeout: float = RPC_TIMEOUT_S
 
 
 def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str, str | None]:
@@ -108,7 +113,7 @@ def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str,
     label = opts.model or _registry_name(model_path) or str(model_path)
     if opts.threshold is not None and not 0.0 <= opts.threshold <= 1.0:
         raise SpecEEError(f"--threshold is a probability: 0..1, got {opts.threshold:g}")
-    set_placement(opts.rpc, opts.n_gpu_layers, opts.tensor_split)
+    set_placement(opts.rpc, opts.n_gpu_layers, opts.tensor_split, opts.rpc_timeout)
     config = EngineConfig(n_ctx=opts.n_ctx, n_threads=opts.threads or default_threads(), kv_mode=opts.kv_mode,
                           quality=parse_quality(opts.quality), threshold=opts.threshold, early_exit=opts.early_exit,
                           speculation=opts.speculation)
@@ -138,9 +143,10 @@ def _registry_name(model_path: Path) -> str | None:
         return None
 
 
-def set_placement(rpc_workers: str | None, n_gpu_layers: str | None, tensor_split: str | None) -> None:
-    """-ngl, -ts and --rpc: where every model this command loads puts its layers (the workers are connected now,
-    so that one that is not there is an error before anything loads)."""
+def set_placement(rpc_workers: str | None, n_gpu_layers: str | None, tensor_split: str | None,
+                  rpc_timeout: float = RPC_TIMEOUT_S) -> None:
+    """-ngl, -ts, --rpc and --rpc-timeout: where every model this command loads puts its layers (the workers are
+    connected now, so that one that is not there is an error before anything loads)."""
     from specee_edge.runtime import rpc
 
     endpoints = rpc.parse_endpoints(rpc_workers) if rpc_workers is not None else ()
@@ -149,7 +155,7 @@ def set_placement(rpc_workers: str | None, n_gpu_layers: str | None, tensor_spli
         shares = tuple(float(x) for x in tensor_split.split(",")) if tensor_split else ()
     except ValueError:
         raise SpecEEError(f"-ts/--tensor-split takes comma-separated shares such as 3,1, got {tensor_split!r}") from None
-    rpc.set_placement(endpoints, rpc.Offload(layers, shares))
+    rpc.set_placement(endpoints, rpc.Offload(layers, shares), rpc_timeout)
 
 
 def parse_gpu_layers(value: str) -> int:
@@ -190,6 +196,7 @@ def chat(
     ctx_size: CtxSize = 4096,
     n_gpu_layers: GpuLayers = None,
     rpc_workers: Rpc = None,
+    rpc_timeout: RpcTimeout = RPC_TIMEOUT_S,
     tensor_split: TensorSplit = None,
     threads: Threads = None,
     seed: Seed = -1,
@@ -215,7 +222,8 @@ def chat(
 
     try:
         opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
-                             quality, threshold, not no_early_exit, rpc_workers, tensor_split, speculation)
+                             quality, threshold, not no_early_exit, rpc_workers, tensor_split, rpc_timeout,
+                             speculation=speculation)
         settings = ReplSettings(sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed), n_predict,
                                 system_prompt, chat_template_text(chat_template), verbose, color_exits)
         engine, label, notice = load_engine(opts, strict_pack=False)
@@ -265,6 +273,7 @@ def generate(
     ctx_size: CtxSize = 4096,
     n_gpu_layers: GpuLayers = None,
     rpc_workers: Rpc = None,
+    rpc_timeout: RpcTimeout = RPC_TIMEOUT_S,
     tensor_split: TensorSplit = None,
     threads: Threads = None,
     seed: Seed = -1,
@@ -289,7 +298,8 @@ def generate(
     try:
         text = _prompt_text(prompt, file)
         opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
-                             quality, threshold, not no_early_exit, rpc_workers, tensor_split, speculation)
+                             quality, threshold, not no_early_exit, rpc_workers, tensor_split, rpc_timeout,
+                             speculation=speculation)
         sampling = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
         template = chat_template_text(chat_template)
         engine, _, notice = load_engine(opts, strict_pack=True)

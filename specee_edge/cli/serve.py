@@ -9,9 +9,9 @@ from typing import Annotated
 import typer
 
 from specee_edge.cli.app import app, console, fail
-from specee_edge.cli.chat import (ChatTemplate, CtxSize, EngineOptions, GpuLayers, KvModeOpt, ModelArg, ModelOpt,
-                                  PackOpt, Quality, Rpc, Speculation, TensorSplit, Threads, chat_template_text, load_engine,
-                                  pick_model)
+from specee_edge.cli.chat import (RPC_TIMEOUT_S, ChatTemplate, CtxSize, EngineOptions, GpuLayers, KvModeOpt, ModelArg,
+                                  ModelOpt, PackOpt, Quality, Rpc, RpcTimeout, Speculation, TensorSplit, Threads, chat_template_text,
+                                  load_engine, pick_model)
 from specee_edge.errors import SpecEEError
 
 
@@ -25,6 +25,7 @@ def serve(
     ctx_size: CtxSize = 4096,
     n_gpu_layers: GpuLayers = None,
     rpc_workers: Rpc = None,
+    rpc_timeout: RpcTimeout = RPC_TIMEOUT_S,
     tensor_split: TensorSplit = None,
     threads: Threads = None,
     quality: Quality = None,
@@ -50,7 +51,8 @@ def serve(
     try:
         listener = _listen(host, port)
         opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads,
-                             kv_mode.value if kv_mode else None, quality, None, True, rpc_workers, tensor_split, speculation)
+                             kv_mode.value if kv_mode else None, quality, None, True, rpc_workers, tensor_split, rpc_timeout,
+                             speculation=speculation)
         template = chat_template_text(chat_template)
         engine, label, notice = load_engine(opts, strict_pack=False)
     except SpecEEError as e:

@@ -290,6 +290,16 @@ class Engine:
             del tokens[0]
         return tokens
 
+    def check_prompt(self, tokens: Sequence[int]) -> None:
+        """stream()'s checks of a prompt's tokens, which a caller may make before it touches the cache."""
+        if not tokens:
+            raise SpecEEError("the prompt is empty")
+        if len(tokens) >= self.ctx.n_ctx:
+            raise ContextFullError(
+                f"the prompt ({len(tokens)} tokens) does not fit the context of {self.ctx.n_ctx}"
+                " (use a larger -c/--ctx-size or a shorter prompt)"
+            )
+
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams | None = None,
                stop: Sequence[str] = (), logprobs: int | None = None,
                cancel: Callable[[], bool] | None = None) -> Iterator[TokenRecord]:
@@ -303,15 +313,9 @@ class Engine:
         """
         sampling = sampling or SamplingParams()
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        if not tokens:
-            raise SpecEEError("the prompt is empty")
+        self.check_prompt(tokens)
         if max_tokens < 1:
             raise SpecEEError(f"max_tokens must be at least 1, got {max_tokens}")
-        if len(tokens) >= self.ctx.n_ctx:
-            raise ContextFullError(
-                f"the prompt ({len(tokens)} tokens) does not fit the context of {self.ctx.n_ctx}"
-                " (use a larger -c/--ctx-size or a shorter prompt)"
-            )
         draw = Sampler(sampling, self.model.info.n_vocab, tokens, logprobs)
         self.controller.begin_request()
         try:

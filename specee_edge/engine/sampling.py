@@ -17,10 +17,28 @@ import numpy as np
 from specee_edge.errors import SpecEEError
 from specee_edge.runtime.model import check_token_ids
 
+# Bounds on the fields that size an allocation or go to llama.cpp as 32-bit integers (where a larger value
+# would wrap silently: repeat_last_n = 2**40 reached it as 0, penalties off)
+MAX_REPEAT_LAST_N = 1 << 20  # the penalty sampler keeps a ring of this many int32 tokens (4 MiB)
+INT32_MAX = 2**31 - 1        # top_k's type in llama.cpp
+MAX_SEED = 2**32 - 2         # 2**32 - 1 is LLAMA_DEFAULT_SEED, "a random seed"
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= high:
+        raise SpecEEError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def check_n_logprobs(n: int | None, n_vocab: int) -> None:
+    """How many alternatives each token's logprobs lists (None: no logprobs): at most the whole vocabulary."""
+    if n is not None:
+        _check_int("logprobs", n, 0, n_vocab)
+
 
 @dataclass
 class SamplingParams:
-    """llama.cpp's defaults; `seed` None draws a fresh seed per generation."""
+    """llama.cpp's defaults; `seed` None draws a fresh seed per generation. Integer fields are refused out of
+    their bounds (SpecEEError), never wrapped or clamped."""
 
     temperature: float = 0.8
     top_k: int = 40
@@ -32,6 +50,16 @@ class SamplingParams:
     repeat_last_n: int = 64
     logit_bias: Mapping[int, float] = field(default_factory=dict)  # added to the token's logit first
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Also made by the Sampler: a field may have been set after construction."""
+        _check_int("repeat_last_n", self.repeat_last_n, 0, MAX_REPEAT_LAST_N)
+        _check_int("top_k", self.top_k, 0, INT32_MAX)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, MAX_SEED)
 
     @property
     def greedy(self) -> bool:
@@ -114,7 +142,7 @@ def sampler_chain(params: SamplingParams, n_vocab: int) -> llama_cpp.llama_sampl
     add(llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
     add(llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
     add(llama_cpp.llama_sampler_init_temp(params.temperature))
-    seed = llama_cpp.LLAMA_DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
+    seed = llama_cpp.LLAMA_DEFAULT_SEED if params.seed is None else params.seed
     add(llama_cpp.llama_sampler_init_dist(seed))
     return chain
 
@@ -127,8 +155,10 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, n_vocab: int, prompt: Sequence[int] = (),
                  n_logprobs: int | None = None):
-        self._chain = None  # before the check: __del__ closes a sampler that failed it too
+        self._chain = None  # before the checks: __del__ closes a sampler that failed them too
+        params.check()
         check_logit_bias(params.logit_bias, n_vocab)
+        check_n_logprobs(n_logprobs, n_vocab)
         self.params = params
         self.n_vocab = n_vocab
         self.n_logprobs = n_logprobs

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from specee_edge.errors import SpecEEError
+
+# bounds on what a caller's stops allocate (a failure table per stop) and cost per character (the stops' count)
+MAX_STOPS = 64
+MAX_STOP_CHARS = 1024
+
 
 def _failure(pattern: str) -> list[int]:
     """fail[i]: the length of the longest proper prefix of pattern[:i + 1] that is also its suffix."""
@@ -24,6 +30,8 @@ def _failure(pattern: str) -> list[int]:
 
 class StopMatcher:
     def __init__(self, stops: Sequence[str]):
+        if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise SpecEEError(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters")
         self.stops = [s for s in stops if s]
         self._fail = [_failure(s) for s in self.stops]
         self._matched = [0] * len(self.stops)  # how much of each stop the text ends with

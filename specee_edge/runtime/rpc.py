@@ -8,7 +8,10 @@ across the machines; the patched scheduler's stops, resumes and batches are unch
 
 patches/0010-rpc-lost-server.patch makes a lost worker an error this module reports instead of an
 abort of the whole process, and counts the replies the client waits for (the price of a stop or
-a probe read after a layer that lives on a worker).
+a probe read after a layer that lives on a worker). patches/0012-rpc-socket-timeout.patch bounds the
+wait: a worker that is silent for --rpc-timeout seconds (DEFAULT_TIMEOUT_S) without closing the connection
+(power loss, a cut cable, a frozen process) counts as lost too, and TCP keepalive finds a vanished
+host on an idle connection.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from specee_edge.errors import SpecEEError
 DEFAULT_PORT = 50052  # rpc-server's
 LOOPBACK = "127.0.0.1"
 CONNECT_TIMEOUT_S = 3.0
+# the longest one send or receive to a worker may wait before the worker counts as lost: above what a
+# worker's share of a long prompt's batch takes on a slow machine (a reply waits for the graphs before it)
+DEFAULT_TIMEOUT_S = 60.0
+MAX_TIMEOUT_S = 86400.0  # a day: ggml takes milliseconds as a 32-bit count
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
 
 # ggml as libllama loaded it (a symbol lookup through libllama reaches its dependencies): llama_cpp._ggml loads
@@ -55,6 +62,7 @@ _start_server_t = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctype
 _is_lost_t = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_char_p)
 _get_replies_t = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint64),
                                   ctypes.POINTER(ctypes.c_uint64))
+_set_timeout_t = ctypes.CFUNCTYPE(None, ctypes.c_uint32)
 
 INSECURE_HOST_WARNING = (
     "WARNING: Host ('{host}') is != '127.0.0.1'\n"
@@ -93,20 +101,46 @@ class WorkerLostError(SpecEEError):
 
 def parse_endpoint(text: str) -> Endpoint:
     host, sep, port = text.strip().partition(":")  # ggml-rpc splits at the first colon: no IPv6 literals
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    # ASCII digits only: str.isdigit() takes "5²", which int() then refuses
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise SpecEEError(f"an RPC worker is HOST:PORT with an IPv4 address or a name (e.g. 192.168.1.20:{DEFAULT_PORT}),"
                           f" got {text!r}")
     return Endpoint(host, int(port))
 
 
+def ipv4_address(host: str) -> str | None:
+    """The IPv4 address `host` names (itself for an IPv4 literal; ggml-rpc connects over IPv4 only), or None
+    where the name does not resolve to one."""
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (OSError, UnicodeError, IndexError):
+        return None
+
+
 def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
-    """--rpc's value: comma-separated HOST:PORT."""
+    """--rpc's value: comma-separated HOST:PORT. Two names of one machine (localhost and 127.0.0.1) are one worker
+    named twice: ggml would connect to it once and count its devices twice."""
     endpoints = tuple(parse_endpoint(part) for part in text.split(",") if part.strip())
     if not endpoints:
         raise SpecEEError("--rpc takes one or more HOST:PORT, comma-separated")
-    if len(set(endpoints)) != len(endpoints):
-        raise SpecEEError(f"--rpc names a worker twice: {text}")
+    seen: dict[tuple[str, int], Endpoint] = {}
+    for endpoint in endpoints:
+        key = (ipv4_address(endpoint.host) or endpoint.host, endpoint.port)  # a name that does not resolve: as written
+        if key in seen:
+            same = "" if seen[key] == endpoint else f" ({seen[key]} and {endpoint} are both {key[0]}:{key[1]})"
+            raise SpecEEError(f"--rpc names a worker twice: {text}{same}")
+        seen[key] = endpoint
     return endpoints
+
+
+def set_timeout(seconds: float) -> None:
+    """--rpc-timeout: how long one send or receive to a worker may wait before the worker counts as lost, for the
+    connections opened from now on (0: no limit, ggml's own behaviour). A worker sets it too: with a limit,
+    its connections get TCP keepalive, so that a client whose machine vanished does not hold it for good."""
+    if not 0 <= seconds <= MAX_TIMEOUT_S:  # NaN too
+        raise SpecEEError(f"--rpc-timeout takes seconds in [0, {MAX_TIMEOUT_S:g}] (0: wait forever), got {seconds:g}")
+    # at least 1 ms: a positive timeout must not round to 0, which would mean "no limit"
+    _proc("ggml_backend_rpc_set_timeout", _set_timeout_t)(max(1, round(seconds * 1000)) if seconds else 0)
 
 
 def _rpc_reg() -> int:
@@ -150,11 +184,12 @@ def default_offload() -> Offload:
     return _offload
 
 
-def set_placement(endpoints: tuple[Endpoint, ...], offload: Offload) -> None:
-    """-ngl, -ts, --rpc: add the workers, and make `offload` the placement of every model this process
-    loads from now on (the bench's and calibration's many loads included)."""
+def set_placement(endpoints: tuple[Endpoint, ...], offload: Offload, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """-ngl, -ts, --rpc, --rpc-timeout: add the workers, and make `offload` the placement of every model this
+    process loads from now on (the bench's and calibration's many loads included)."""
     global _offload
     if endpoints:
+        set_timeout(timeout_s)
         add_workers(endpoints)
     _offload = offload
 
@@ -229,8 +264,8 @@ def round_trip_ms(endpoint: Endpoint, samples: int = 50) -> float:
 
 
 def serve(endpoint: Endpoint, n_threads: int) -> None:
-    """Serve this machine's CPU backend at `endpoint` until the process ends (rpc-server's loop).
-    Returns only if the server could not start."""
+    """Serve this machine's CPU backend at `endpoint` until the process ends (rpc-server's loop; set_timeout
+    before: its clients' connections get keepalive). Returns only if the server could not start."""
     start_server = _proc("ggml_backend_rpc_start_server", _start_server_t)
     cpu = libggml.ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
     if not cpu:

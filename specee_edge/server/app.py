@@ -17,10 +17,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from importlib import resources
+from typing import TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,6 +33,7 @@ from specee_edge.engine.sampling import check_logit_bias
 from specee_edge.errors import ContextFullError, SpecEEError
 from specee_edge.exits import depth_band, depth_bands
 from specee_edge.pack import PackLevelError, parse_quality
+from specee_edge.runtime import rpc
 from specee_edge.runtime.model import check_token_ids
 from specee_edge.server import protocol
 from specee_edge.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -43,6 +46,7 @@ RETRY_AFTER_S = 1
 CLIENT_GONE = 499
 MAX_BODY_BYTES = 8 << 20  # far above what a context of tokens takes as text
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
 
 
 @dataclass
@@ -165,8 +169,12 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "queued": worker.queued, "tokens_generated": worker.tokens_generated}
+    async def health() -> JSONResponse:
+        """503 once an RPC worker holding the model's layers is lost: no request can be served until a restart."""
+        body = {"status": "ok", "queued": worker.queued, "tokens_generated": worker.tokens_generated}
+        if lost := lost_workers(engine):
+            body |= {"status": "error", "lost_workers": lost, "message": lost_message(lost)}
+        return JSONResponse(body, status_code=503 if lost else 200)
 
     def model_object() -> dict:
         policy = engine.policy
@@ -187,18 +195,17 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         """One model is served, under any name (clients hard-code theirs): its object says which it is."""
         return model_object()
 
+    # Bodies are parsed and checked off the event loop, which serves every client's stream: a body of millions of
+    # token ids took seconds of CPU. A template may be slow on long conversations too.
     @v1.post("/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        # a template may be slow on long conversations: not on the event loop, which serves every client
+    async def chat_completions(request: Request) -> Response:
+        body = await run_in_threadpool(_parse, ChatCompletionRequest, await request.body())
         prompt = await run_in_threadpool(_format_chat, engine, body, config.chat_template)
         return await _complete(request, body, prompt, chat=True)
 
     @v1.post("/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        with refused_as("prompt"):
-            prompt = body.single_prompt()
-            if isinstance(prompt, list):
-                check_token_ids(prompt, engine.model.info.n_vocab, "prompt")
+    async def completions(request: Request) -> Response:
+        body, prompt = await run_in_threadpool(_completion, engine, await request.body())
         return await _complete(request, body, prompt, chat=False)
 
     app.include_router(v1)
@@ -211,6 +218,12 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
                         *, chat: bool) -> Response:
         if body.n != 1:
             raise ApiError(400, f"n must be 1 (one choice per request), got {body.n}", code="unsupported_value")
+        if body.reply_limit is not None and body.reply_limit > engine.ctx.n_ctx:
+            field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+            raise ApiError(400, f"{field} is {body.reply_limit}, more than the context holds ({engine.ctx.n_ctx} tokens,"
+                                " prompt included)", param=field)
+        if lost := lost_workers(engine):  # the request would only fail in the queue
+            raise ApiError(503, lost_message(lost), "server_error", "worker_lost")
         sampling = body.sampling()
         with refused_as("logit_bias"):  # the Sampler's own check, made before the request waits in the queue
             check_logit_bias(sampling.logit_bias, engine.model.info.n_vocab)
@@ -342,6 +355,54 @@ def refused_as(param: str) -> Iterator[None]:
         raise ApiError(400, str(e), param=param) from None
 
 
+def _json(raw: bytes) -> object:
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _validate(model: type[Body], data: object) -> Body:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:  # answered as FastAPI's own validation of a body
+        raise RequestValidationError(e.errors()) from None
+
+
+def _parse(model: type[Body], raw: bytes) -> Body:
+    return _validate(model, _json(raw))
+
+
+def _completion(engine: Engine, raw: bytes) -> tuple[CompletionRequest, str | list[int]]:
+    """A completion request and its one prompt. A prompt of token ids is refused by its length first, before
+    anything walks it: it cannot be longer than the context."""
+    data = _json(raw)
+    prompt = data.get("prompt") if isinstance(data, dict) else None
+    if isinstance(prompt, list) and prompt:
+        batch = isinstance(prompt[0], (str, list))  # OpenAI's list of prompts (of one prompt: validation says so)
+        ids = (prompt[0] if len(prompt) == 1 else None) if batch else prompt
+        if isinstance(ids, list) and len(ids) >= engine.ctx.n_ctx:
+            raise ApiError(400, f"the prompt ({len(ids)} tokens) does not fit the context of {engine.ctx.n_ctx}"
+                                " (use a larger -c/--ctx-size or a shorter prompt)",
+                           code="context_length_exceeded", param="prompt")
+    body = _validate(CompletionRequest, data)
+    with refused_as("prompt"):
+        prompt = body.single_prompt()
+        if isinstance(prompt, list):
+            check_token_ids(prompt, engine.model.info.n_vocab, "prompt")
+    return body, prompt
+
+
+def lost_workers(engine: Engine) -> list[str]:
+    """The RPC workers holding the model's layers that stopped answering."""
+    return [str(worker) for worker in engine.model.workers if rpc.is_lost(worker)]
+
+
+def lost_message(lost: list[str]) -> str:
+    return (f"lost the RPC worker{'s' if len(lost) > 1 else ''} at {', '.join(lost)}, which held layers of the model:"
+            " restart the worker, then this server")
+
+
 def _format_chat(engine: Engine, body: ChatCompletionRequest, template: str | None) -> str:
     try:
         return engine.format_chat([m.for_template() for m in body.messages], template)
@@ -380,6 +441,8 @@ def _api_error(e: Exception) -> ApiError:
         return ApiError(400, str(e), code="context_length_exceeded", param="messages")
     if isinstance(e, ServerClosingError):
         return ApiError(503, str(e), "server_error", "shutting_down")
+    if isinstance(e, rpc.WorkerLostError):  # the server's trouble, not the request's
+        return ApiError(503, str(e), "server_error", "worker_lost")
     if isinstance(e, SpecEEError):
         return ApiError(400, str(e))
     return ApiError(500, f"the server failed: {type(e).__name__}: {e}", "server_error")

@@ -15,16 +15,16 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from specee_edge.engine import GenerationStats, SamplingParams, TokenRecord
-from specee_edge.engine.sampling import TokenLogprobs
+from specee_edge.engine.sampling import INT32_MAX, MAX_REPEAT_LAST_N, MAX_SEED, TokenLogprobs
+from specee_edge.engine.stops import MAX_STOP_CHARS
 from specee_edge.errors import SpecEEError
 from specee_edge.exits import ExitKind
 from specee_edge.runtime.model import utf8
 
-MAX_STOPS = 4             # OpenAI's limit
-MAX_STOP_CHARS = 1024
+MAX_STOPS = 4             # OpenAI's limit (the engine takes up to stops.MAX_STOPS)
 MAX_TOP_LOGPROBS = 20     # chat's top_logprobs; completions' logprobs goes to 5
 BAN = -100.0              # OpenAI: a bias of -100 bans the token (a finite -100 would not, at a head-free exit's 4 candidates)
 LOGPROB_FLOOR = -9999.0   # JSON has no -Infinity
@@ -50,18 +50,19 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name; it wins
+    # at most the context (n_ctx), checked by the route: no reply is longer
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)  # OpenAI's newer name; it wins
     temperature: float = Field(default=0.8, ge=0.0, le=2.0)
     top_p: float = Field(default=0.95, gt=0.0, le=1.0)
-    top_k: int = Field(default=40, ge=0)          # llama.cpp's; not in OpenAI's API
+    top_k: int = Field(default=40, ge=0, le=INT32_MAX)  # llama.cpp's; not in OpenAI's API
     min_p: float = Field(default=0.05, ge=0.0, le=1.0)
     repeat_penalty: float = Field(default=1.0, gt=0.0)  # llama.cpp's penalties, over repeat_last_n tokens
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repeat_last_n: int = Field(default=64, ge=0)
+    repeat_last_n: int = Field(default=64, ge=0, le=MAX_REPEAT_LAST_N)  # sizes the penalty sampler's ring
     logit_bias: dict[int, float] | None = None     # token id -> bias in [-100, 100]; -100 bans
-    seed: int | None = None                        # negative: a random seed (llama.cpp's -1)
+    seed: int | None = Field(default=None, le=MAX_SEED)  # negative: a random seed (llama.cpp's -1)
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
@@ -150,8 +151,8 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     # text or token ids, or a list of one of either (OpenAI's batch form, one prompt long here); list[int] first,
-    # so that [] is an empty prompt of ids rather than an empty batch
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # so that [] is an empty prompt of ids rather than an empty batch. Strict: true is not token 1
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=5)
 

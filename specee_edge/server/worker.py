@@ -107,6 +107,7 @@ class EngineWorker:
             self._quality = job.quality
         try:
             tokens = engine.tokenize(job.prompt) if isinstance(job.prompt, str) else job.prompt
+            engine.check_prompt(tokens)  # a prompt refused leaves the cached conversation as it was
             reuse_cache(engine, tokens)
             # a client that goes away during a long prompt stops it at the next batch
             stream = engine.stream(tokens, max_tokens=job.max_tokens, sampling=job.sampling, stop=job.stop,
