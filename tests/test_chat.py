@@ -131,6 +131,7 @@ def test_repl_session(env, bare_model):
     term.line("/set temp 0")
     term.expect(r"temp = 0\n")
     term.line("/show info")
+    term.expect(r"pack\s+none: exact mode with prompt-lookup drafts, no exits")  # no pack: drafts all the same
     term.expect(r"sampling\s+temp 0, top_k 40")
     term.line("/frobnicate now")
     term.expect(r"error: unknown command /frobnicate \(/help lists them\)\n(?=>>> )")  # one line, then the prompt

@@ -142,6 +142,7 @@ def test_models_and_health(server: Server, client: OpenAI):
         assert client.models.retrieve(name).id == MODEL
     specee = models[0].model_extra["specee"]
     assert specee["n_layer"] == 30 and specee["n_ctx"] == N_CTX and specee["quality_levels"]
+    assert specee["pack"] and specee["exact"]  # the shipped pack's default level is exact mode
     assert specee["depth_bands"][0]["first"] == 0 and specee["depth_bands"][-1]["last"] == 28
     assert server.health()["status"] == "ok"
 

@@ -6,8 +6,8 @@ lanes of specee_edge/runtime/costs.py (a plain token, a layer, the LM head, the 
 skipped layer's K/V rebuilt), plus a stop halfway and its resume, and verification batches of 1-8 rows (exact
 mode's). Weights do not change a step's time, only shapes and types do: the shipped models' own types where
 gguf-py can write them (SmolLM2 Q4_1), Q4_1 for the two Q4_K_M ones too (gguf-py cannot write Q4_K; Q4_1's 5
-bits a weight are the nearest to Q4_K_M's 4.9 of what it writes, and Q4_0 models abort in the scheduler once
-the draft head is in the graph on an AVX2 CPU: GGML_ASSERT(*cur_backend_id != -1), a bug of its own).
+bits a weight are the nearest to Q4_K_M's 4.9 of what it writes; specee_edge/runtime/quantize.py requantizes
+into any type with llama.cpp itself).
 
 How often tokens exit, and how many drafts the full model accepts, does not depend on the hardware: the
 predictions take them from the shipped packs' levels (calibration's held-out figures on the real models, on

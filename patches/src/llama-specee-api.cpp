@@ -118,6 +118,20 @@ int32_t llama_specee_set_draft(llama_context * ctx, int32_t type, int32_t n_draf
     return sp ? sp->set_draft((ggml_type) type, n_draft_vocab, w_embd, w_hidden, bias, norm, eps, head, vocab_map) : -1;
 }
 
+size_t llama_specee_lm_rows_size(const llama_context * ctx, int32_t * type) {
+    const auto * sp = ctx->get_specee();
+    if (!sp || !sp->needs_lm_rows()) {
+        return 0;
+    }
+    *type = ctx->get_model().output->type;
+    return ggml_nbytes(ctx->get_model().output);
+}
+
+int32_t llama_specee_set_lm_rows(llama_context * ctx, int32_t type, const void * data, size_t size) {
+    auto * sp = ctx->get_specee();
+    return sp ? sp->set_lm_rows((ggml_type) type, data, size) : -1;
+}
+
 int32_t llama_specee_set_lookup(llama_context * ctx, const llama_token * ids, int32_t n) {
     auto * sp = ctx->get_specee();
     return sp ? sp->set_lookup(ids, n) : -1;

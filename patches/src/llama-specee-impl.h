@@ -106,6 +106,8 @@ struct llama_specee {
     int32_t set_predictor(int32_t il, int32_t n_dense, const int32_t * dims, const float * params);
     int32_t set_exit(int32_t il, llama_specee_exit_kind kind, float threshold);
     int32_t set_lookup(const llama_token * ids, int32_t n);
+    bool    needs_lm_rows() const { return next_graph.lm_head == nullptr; }
+    int32_t set_lm_rows(ggml_type type, const void * data, size_t size);
     void    decide(int32_t n, const int32_t * layers, const float * cand_logits, const uint8_t * verified,
                    llama_specee_decision & out) const;
     void    fill_token_info(llama_specee_token_info & out);
@@ -193,6 +195,10 @@ private:
     llama_specee_token_info info = {};
     bool    info_cand_read = false;
     int64_t t_graph_start  = 0;
+
+    // a host copy of output.weight for the probes' rows, where the model's own cannot serve (set_lm_rows)
+    ggml_context_ptr        lm_rows_ctx;
+    ggml_backend_buffer_ptr lm_rows_buf;
 
     ggml_context_ptr          draft_ctx;
     ggml_backend_buffer_ptr   draft_buf;

@@ -24,6 +24,36 @@ static float specee_softcap(const llama_model & model) {
     return a && a->softcap ? model.hparams.f_final_logit_softcapping : 0.0f;
 }
 
+// whether a backend of the context takes ggml_get_rows on weight w where it lies, as ggml's scheduler places an op
+// on a weight (the first backend that takes both the weight's buffer type and the op). Where none does, the
+// scheduler cannot place the node (GGML_ASSERT(*cur_backend_id != -1)), or it would copy the whole weight each step.
+static bool specee_rows_readable(const std::vector<ggml_backend_t> & backends, ggml_tensor * w) {
+    if (!w || !w->buffer) {
+        return false;
+    }
+    ggml_init_params params = { ggml_tensor_overhead()*2, nullptr, /*.no_alloc =*/ true };
+    ggml_context_ptr ctx(ggml_init(params));
+    ggml_tensor * rows = ggml_get_rows(ctx.get(), w, ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I32, 1));
+    for (ggml_backend_t backend : backends) {
+        if (ggml_backend_supports_buft(backend, ggml_backend_buffer_get_type(w->buffer)) && ggml_backend_supports_op(backend, rows)) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// the LM-head rows the probes read: the output head's own; where its layout takes only matrix products (ggml-cpu
+// repacks Q4_0, IQ4_NL, Q4_K, ... for AVX2 and ARM kernels), the token embedding when the output head is the
+// embedding (tied: llama.cpp loads token_embd.weight twice, the input's copy where get_rows runs, as the input
+// needs it); else nullptr, and the caller hands a plain copy over (set_lm_rows)
+static ggml_tensor * specee_lm_rows(const llama_model & model, const std::vector<ggml_backend_t> & backends) {
+    if (specee_rows_readable(backends, model.output)) {
+        return model.output;
+    }
+    const bool tied = model.tok_embd && std::strcmp(model.output->name, model.tok_embd->name) == 0;
+    return tied && specee_rows_readable(backends, model.tok_embd) ? model.tok_embd : nullptr;
+}
+
 llama_specee::llama_specee(llama_context & lctx, int32_t n_cand, llama_specee_kv_mode kv_mode) :
     lctx(lctx),
     n_layer((int32_t) lctx.model.hparams.n_layer()),
@@ -44,7 +74,7 @@ llama_specee::llama_specee(llama_context & lctx, int32_t n_cand, llama_specee_kv
     fill_graphs(n_layer) {
     cand.fill(0);
     next_graph.out_norm = lctx.model.output_norm;
-    next_graph.lm_head  = lctx.model.output;
+    next_graph.lm_head  = specee_lm_rows(lctx.model, lctx.backend_ptrs);
 }
 
 llama_specee::~llama_specee() = default;
@@ -81,7 +111,8 @@ void llama_specee::before_decode(int32_t n_batch_tokens) {
     // wanted its graph keeps the draft, so that its last hidden state is where the first draft reads it.
     auto & g = next_graph;
     const bool wanted = probes_wanted();
-    g.n_cand = wanted && n_batch_tokens == 1 ? n_cand : 0;
+    // no LM-head rows yet (needs_lm_rows): no probe can be built, and neither the draft that feeds them
+    g.n_cand = wanted && n_batch_tokens == 1 && g.lm_head ? n_cand : 0;
     g.probed.reset();
     if (g.n_cand > 0) {
         const bool any_exit = std::any_of(exits.begin(), exits.end(), [](const auto & e) { return e.kind != LLAMA_SPECEE_EXIT_NONE; });
@@ -590,6 +621,31 @@ int32_t llama_specee::set_draft(ggml_type type, int32_t n_draft_vocab, const flo
     rows_kept = 0;
     draft_ctx = std::move(ctx_ptr);
     draft_buf = std::move(buf);
+    return 0;
+}
+
+int32_t llama_specee::set_lm_rows(ggml_type type, const void * data, size_t size) {
+    const ggml_tensor * output = lctx.model.output;
+    if (!needs_lm_rows()) {
+        return -1;
+    }
+    if (type != output->type || size != ggml_nbytes(output)) {
+        return -2;
+    }
+    ggml_init_params params = { ggml_tensor_overhead(), nullptr, /*.no_alloc =*/ true };
+    ggml_context_ptr ctx(ggml_init(params));
+    ggml_tensor * rows = ggml_dup_tensor(ctx.get(), output);
+    // a plain host buffer: CPU's get_rows reads every weight type from it
+    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU));
+    ggml_backend_buffer_ptr buf(ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft));
+    if (!buf) {
+        return -3;
+    }
+    ggml_backend_buffer_set_usage(buf.get(), GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    ggml_backend_tensor_set(rows, data, 0, size);
+    lm_rows_ctx = std::move(ctx);
+    lm_rows_buf = std::move(buf);
+    next_graph.lm_head = rows;
     return 0;
 }
 

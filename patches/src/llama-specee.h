@@ -132,6 +132,19 @@ LLAMA_API int32_t llama_specee_set_draft(struct llama_context * ctx, int32_t typ
 // returns 0, -1 without early exit or a draft head, -2 for n outside [0, n_cand], bad or repeated ids
 LLAMA_API int32_t llama_specee_set_lookup(struct llama_context * ctx, const llama_token * ids, int32_t n);
 
+// The LM-head rows the probes read (ggml_get_rows) where the model's own output head cannot give them:
+// a weight in a layout that only matrix products read (ggml-cpu's repacked Q4_0, IQ4_NL, Q4_K, ... on
+// AVX2/AVX-512 and ARM CPUs) takes no get_rows on any backend. A model whose output head is its token
+// embedding (tied) reads the embedding's own copy (llama.cpp keeps one for the input); an untied one
+// needs a plain copy of output.weight, which the caller reads from the GGUF. Until it is set, single-
+// token graphs of such a model hold no probes and no draft.
+// llama_specee_lm_rows_size: the bytes of output.weight to hand over (its GGML type in *type), 0 when the
+// model's own rows serve (or without early exit)
+LLAMA_API size_t  llama_specee_lm_rows_size(const struct llama_context * ctx, int32_t * type);
+// data: output.weight as the GGUF holds it (its type, [n_embd, n_vocab]), copied to a host buffer;
+// returns 0, -1 when no copy is needed, -2 for another type or size, -3 when the buffer cannot be allocated
+LLAMA_API int32_t llama_specee_set_lm_rows(struct llama_context * ctx, int32_t type, const void * data, size_t size);
+
 // the exit predictor of layer il (the last layer included), over the 3*n_cand features
 // [z, softmax(z), softmax(z) - p_prev] (z: the probe's candidate logits; p_prev: softmax of the
 // previous probed layer of the same token, zeros at the first): n_dense linear layers, ReLU between, a

@@ -127,12 +127,13 @@ class BenchResult:
     tokens: int
     vanilla_steps: int
     vanilla_tok_s: float
-    oracle_speedup: float             # verified exits (each pays a head)
-    oracle_avg_exit_layer: float
-    oracle_head_free_speedup: float   # head-free exits (no head)
-    oracle_head_free_avg_exit_layer: float
+    # the oracles and costs price exits: None (the histogram empty) for a model without a pack
+    oracle_speedup: float | None      # verified exits (each pays a head)
+    oracle_avg_exit_layer: float | None
+    oracle_head_free_speedup: float | None  # head-free exits (no head)
+    oracle_head_free_avg_exit_layer: float | None
     oracle_histogram: list[int]
-    costs: TokenCosts                 # measured in this run (runtime/costs.py)
+    costs: TokenCosts | None          # measured in this run (runtime/costs.py)
     ppl_full: float
     ppl_tokens: int
     default_quality: float | None     # the pack's default level (None: a pack without levels)
@@ -169,7 +170,7 @@ class BenchResult:
 
     def to_json(self) -> dict:
         """The main lane's figures at the top level; every lane's under `modes`."""
-        shared = asdict(self) | {"costs": self.costs.to_dict()}  # without the costs' bootstrap resamples
+        shared = asdict(self) | {"costs": self.costs.to_dict() if self.costs else None}  # without the bootstrap resamples
         del shared["modes"]
         main = asdict(self.main)
         head = {key: shared.pop(key) for key in ("model", "pack", "n_layer", "threads", "k", "prompt_set", "prompts", "tokens")}
@@ -178,7 +179,7 @@ class BenchResult:
             "kv_mode": main.pop("kv_mode"),
             "vanilla_tok_s": shared.pop("vanilla_tok_s"),
             **main,
-            "oracle_tok_s": self.vanilla_tok_s * self.oracle_speedup,
+            "oracle_tok_s": self.vanilla_tok_s * self.oracle_speedup if self.oracle_speedup else None,
             **shared,
             "modes": {self.lane(m): asdict(m) for m in self.modes},
         }
@@ -222,9 +223,10 @@ class BenchResult:
             ("pack", f"{self.pack} (k = {self.k})"),
             ("vanilla", f"{self.vanilla_tok_s:.1f} tok/s ({1e3 / self.vanilla_tok_s if self.vanilla_tok_s else 0:.2f} ms per step)"
                         + (f", sampled {self.vanilla_sampled_tok_s:.1f} tok/s" if self.vanilla_sampled_tok_s else "")),
-            ("oracle_speedup", f"verified {self.oracle_speedup:.3f}x, head-free {self.oracle_head_free_speedup:.3f}x"),
+            ("oracle_speedup", f"verified {self.oracle_speedup:.3f}x, head-free {self.oracle_head_free_speedup:.3f}x"
+                               if self.oracle_speedup else "- (no pack: nothing exits)"),
             ("costs (ms)", f"layer {c.layer_ms:.3f} ({c.mask_ms:+.3f} masked), head {c.head_ms:.2f}, draft {c.draft_ms:.3f}, "
-                           f"check {c.check_ms:.3f}, fixed {c.fixed_ms:.2f}"),
+                           f"check {c.check_ms:.3f}, fixed {c.fixed_ms:.2f}" if c else "-"),
             ("ppl_full", f"{self.ppl_full:.2f} ({self.ppl_tokens} held-out tokens)"),
             ("repetition", ", ".join(f"{c} {r:.2f}" for c, r in self.repetition_by_category.items())
                            + f" (vanilla greedy's tokens in a repeated 4-gram); {self.looping_answers} of {self.prompts}"
@@ -260,10 +262,11 @@ class BenchResult:
         if self.peer:
             table.add_row("peer", f"{self.peer_sampled.speedup:.3f}x" if self.peer_sampled else "-",
                           f"{self.peer.speedup:.3f}x", "-", f"{self.peer.identical:.2f}", *["-"] * 5)
-        table.add_row("oracle", "-", f"{self.oracle_speedup:.3f}x", "1.000", "1.00", "-", "-",
-                      f"{self.oracle_avg_exit_layer:.2f}", f"{self.oracle_exit_rate:.3f}", "0.000")
-        table.add_row("oracle hf", "-", f"{self.oracle_head_free_speedup:.3f}x", "1.000", "1.00", "-", "-",
-                      f"{self.oracle_head_free_avg_exit_layer:.2f}", "-", "-")
+        if self.oracle_speedup:
+            table.add_row("oracle", "-", f"{self.oracle_speedup:.3f}x", "1.000", "1.00", "-", "-",
+                          f"{self.oracle_avg_exit_layer:.2f}", f"{self.oracle_exit_rate:.3f}", "0.000")
+            table.add_row("oracle hf", "-", f"{self.oracle_head_free_speedup:.3f}x", "1.000", "1.00", "-", "-",
+                          f"{self.oracle_head_free_avg_exit_layer:.2f}", "-", "-")
         return table
 
     @staticmethod
@@ -379,7 +382,8 @@ class BenchResult:
     def _histogram(self) -> Table:
         table = Table(title=f"exit layers (layers without exits left out; {self.n_layer - 1} = ran every layer)")
         table.add_column("layer", justify="right")
-        columns = {"oracle": self.oracle_histogram, **{self.lane(m): m.exit_histogram for m in self.modes}}
+        columns = {**({"oracle": self.oracle_histogram} if self.oracle_histogram else {}),
+                   **{self.lane(m): m.exit_histogram for m in self.modes}}
         width = max(4, HISTOGRAM_WIDTH // len(columns))
         for name in columns:
             table.add_column(name, no_wrap=True)
@@ -465,7 +469,8 @@ def plot_bench(result: BenchResult, path: Path) -> None:
     _plot_histogram(result, bottom.subplots())
     m = result.main
     fig.suptitle(f"{result.model}: {result.prompts} prompts x {result.tokens} tokens; {result.lane(m)} "
-                 f"{m.speedup:.3f}x at agreement {m.agreement:.3f} (oracle {result.oracle_speedup:.3f}x)")
+                 f"{m.speedup:.3f}x at agreement {m.agreement:.3f}"
+                 + (f" (oracle {result.oracle_speedup:.3f}x)" if result.oracle_speedup else ""))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -488,8 +493,9 @@ def _plot_tradeoff(result: BenchResult, agreement_ax, ppl_ax) -> None:
                     ax.annotate(f"{m.quality:g}", (x, m.speedup), textcoords="offset points", xytext=(4, 4), fontsize=8)
     for ax, x in ((agreement_ax, 1.0), (ppl_ax, result.ppl_full)):
         ax.plot([x], [1.0], "s", color="k", label="vanilla")
-    agreement_ax.plot([1.0], [result.oracle_speedup], "*", color="0.4", markersize=12, label="oracle")
-    ppl_ax.axhline(result.oracle_speedup, color="0.4", linestyle="--", linewidth=1, label="oracle")
+    if result.oracle_speedup:
+        agreement_ax.plot([1.0], [result.oracle_speedup], "*", color="0.4", markersize=12, label="oracle")
+        ppl_ax.axhline(result.oracle_speedup, color="0.4", linestyle="--", linewidth=1, label="oracle")
     agreement_ax.set_xlabel("agreement with the full model")
     agreement_ax.set_ylabel("speedup against vanilla")
     ppl_ax.set_xlabel(f"held-out perplexity ({result.ppl_tokens} tokens)")
@@ -500,8 +506,9 @@ def _plot_tradeoff(result: BenchResult, agreement_ax, ppl_ax) -> None:
 
 def _plot_histogram(result: BenchResult, ax) -> None:
     """Exit layers of each lane beside the oracle's, as shares of the decode steps."""
-    columns = {"oracle": result.oracle_histogram, **{f"SpecEE ({result.lane(m)})": m.exit_histogram for m in result.modes}}
-    colors = ["0.6", *(f"C{i}" for i in range(len(result.modes)))]
+    columns = {**({"oracle": result.oracle_histogram} if result.oracle_histogram else {}),
+               **{f"SpecEE ({result.lane(m)})": m.exit_histogram for m in result.modes}}
+    colors = [*(["0.6"] if result.oracle_histogram else []), *(f"C{i}" for i in range(len(result.modes)))]
     layers = np.arange(result.n_layer)
     width = 0.8 / len(columns)
     for i, ((name, counts), color) in enumerate(zip(columns.items(), colors)):

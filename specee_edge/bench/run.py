@@ -76,13 +76,23 @@ def pick_prompts(prompts: Sequence[Prompt], n: int) -> list[Prompt]:
     return turns[:n] if n > 0 else turns
 
 
-def bench_pack(config: BenchConfig) -> Pack:
-    """The pack the engines will load (as Engine finds it)."""
+def bench_pack(config: BenchConfig) -> Pack | None:
+    """The pack the engines will load (as Engine finds it); None where the model has none."""
     path = find_pack(config.model) if config.pack == AUTO else config.pack
-    if path is None:
-        raise SpecEEError(f"no pack found for {config.model.name}: pass --pack, or make one with "
-                          f"`specee-edge calibrate {config.model}`")
-    return read_pack(path)
+    return read_pack(path) if path is not None else None
+
+
+def check_without_pack(config: BenchConfig) -> None:
+    """Without a pack the bench runs what needs none: what asks for more is refused, one line each."""
+    asked = [q for q in (config.quality or "").split(",") if q.strip()]
+    needs = [f"--quality {q.strip()}: a lossy level" for q in asked
+             if q.strip().lower() != "all" and parse_quality(q) != EXACT_QUALITY]
+    needs += ["--threshold: exits"] if config.threshold is not None else []
+    needs += ["--python-policy: the exit policy"] if config.python_policy else []
+    needs += [f"--kv-mode {','.join(config.kv_modes)}: exits"] if config.kv_modes != [DEFAULT_KV_MODE] else []
+    if needs:
+        raise SpecEEError("\n".join(f"{need} needs a pack, and {config.model.name} has none (`specee-edge calibrate` "
+                                    "makes one)" for need in needs))
 
 
 def bench_qualities(spec: str | None, pack: Pack) -> list[float | None]:
@@ -100,14 +110,14 @@ def load_engines(config: BenchConfig, qualities: Sequence[float | None]) -> list
     """An engine per lane: each KV mode at each quality level natively, and as `MODE/python` with the
     Python policy if asked; as users run them (the draft's share of a step comes from the cost lanes)."""
     engines = []
-    for mode in config.kv_modes:
+    for mode in config.kv_modes if qualities else ():
         for quality in qualities:
             for native in (True, False) if config.python_policy else (True,):
                 engine = Engine(config.model, pack=config.pack, config=EngineConfig(
                     n_ctx=ENGINE_CTX, n_threads=config.threads, kv_mode=mode, quality=quality,
                     threshold=config.threshold, native=native))
                 engines.append((mode if native else f"{mode}/python", engine))
-    if config.lookup_lane:
+    if config.lookup_lane or not qualities:
         engines.append((NO_PACK, Engine(config.model, pack=None, config=EngineConfig(n_ctx=ENGINE_CTX, n_threads=config.threads))))
     return engines
 
@@ -134,10 +144,12 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     if config.tokens < 2:
         raise SpecEEError("--tokens must be at least 2 (the first token comes from the prompt pass)")
     pack = bench_pack(config)
-    default_level = pack.level()
-    engines = load_engines(config, bench_qualities(config.quality, pack))
+    if pack is None:  # the lanes that need none: exact mode drafting by prompt lookup, vanilla, the peer
+        check_without_pack(config)
+    default_level = pack.level() if pack else None
+    engines = load_engines(config, bench_qualities(config.quality, pack) if pack else [])
     first = engines[0][1]
-    model, n_layer, k = first.model, first.n_layer, first.policy.k
+    model, n_layer, k = first.model, first.n_layer, first.policy.k if pack else 0
     selected = pick_prompts(bench_prompts(config.prompt_set), config.num_prompts)
     prompts = prompt_tokens(first, selected)
     seq_ctx = max(map(len, prompts)) + config.tokens
@@ -152,13 +164,13 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     vanilla = VanillaLane(llm, config.tokens, model.is_eog)
     lanes = [SpecEELane(mode, engine, config.tokens) for mode, engine in engines]
     peer = peer_lane(config, model.is_eog) if config.peer else None
-    cost = cost_lanes(model, draft_setup(first), n_ctx=seq_ctx, n_threads=config.threads, k=k)
+    cost = cost_lanes(model, draft_setup(first), n_ctx=seq_ctx, n_threads=config.threads, k=k) if pack else []
     run_interleaved(prompts, vanilla, [*lanes, *([peer] if peer else [])], cost,
                     reporter.task("decoding, greedy", len(prompts) * (config.tokens - 1)), workers=model.workers)
     rpc_result = rpc_report(model.workers, model.n_gpu_layers, vanilla) if model.workers else None
     categories = [p.category for p in selected]
     greedy_choices = [exact_choices(lane, vanilla, categories) for lane in lanes]
-    costs = TokenCosts.fit([cost])
+    costs = TokenCosts.fit([cost]) if pack else None
     for lane in cost:
         lane.ctx.close()
 
@@ -179,11 +191,14 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
         if lane is not None:
             lane.close()
 
-    # 2. the oracles along vanilla's outputs
-    weights = TargetWeights(config.model)
-    depths = oracle_depths(model, weights, first.policy.draft, first.policy.pack.lookup_max_n, prompts, vanilla.outputs,
-                           n_ctx=seq_ctx, n_threads=config.threads, advance=reporter.task("oracle", vanilla.timing.steps))
-    oracle = Oracle(depths, costs, n_layer)
+    # 2. the oracles along vanilla's outputs (they price exits, which a pack holds)
+    oracle = None
+    if pack:
+        weights = TargetWeights(config.model)
+        depths = oracle_depths(model, weights, first.policy.draft, first.policy.pack.lookup_max_n, prompts,
+                               vanilla.outputs, n_ctx=seq_ctx, n_threads=config.threads,
+                               advance=reporter.task("oracle", vanilla.timing.steps))
+        oracle = Oracle(depths, costs, n_layer)
 
     # 3. quality: agreement, exact prefix, held-out perplexity with and without exits
     reference = Context(model, n_ctx=seq_ctx, n_batch=seq_ctx, n_threads=config.threads)
@@ -208,12 +223,13 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     for _, engine in engines:
         engine.close()
     return BenchResult(
-        model=config.model.name, pack=first.pack_path.name, n_layer=n_layer, threads=config.threads, k=k,
-        prompt_set=config.prompt_set, prompts=len(prompts), tokens=config.tokens,
+        model=config.model.name, pack=first.pack_path.name if pack else NO_PACK, n_layer=n_layer, threads=config.threads,
+        k=k, prompt_set=config.prompt_set, prompts=len(prompts), tokens=config.tokens,
         vanilla_steps=vanilla.timing.steps, vanilla_tok_s=vanilla.timing.tok_s,
-        oracle_speedup=oracle.speedup, oracle_avg_exit_layer=oracle.avg_exit_layer,
-        oracle_head_free_speedup=oracle.head_free_speedup, oracle_head_free_avg_exit_layer=oracle.head_free_avg_exit_layer,
-        oracle_histogram=oracle.histogram, costs=costs, ppl_full=ppl_full, ppl_tokens=len(heldout),
+        oracle_speedup=oracle.speedup if oracle else None, oracle_avg_exit_layer=oracle.avg_exit_layer if oracle else None,
+        oracle_head_free_speedup=oracle.head_free_speedup if oracle else None,
+        oracle_head_free_avg_exit_layer=oracle.head_free_avg_exit_layer if oracle else None,
+        oracle_histogram=oracle.histogram if oracle else [], costs=costs, ppl_full=ppl_full, ppl_tokens=len(heldout),
         default_quality=default_level.quality if default_level else None, modes=modes,
         vanilla_sampled_tok_s=vanilla_sampled.timing.tok_s if vanilla_sampled else None,
         peer=lane_speed(peer, vanilla, categories, no_loop) if peer else None,
@@ -302,21 +318,24 @@ def sampled_result(lane: SpecEELane, vanilla: VanillaLane, categories: Sequence[
     return result
 
 
-def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, costs: TokenCosts, categories: Sequence[str],
+def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle | None, costs: TokenCosts | None,
+                categories: Sequence[str],
                 no_loop: Sequence[int], on_workers: bool, *, agreement: Agreement, ppl: Perplexity, margins: list[float],
                 sampled: SampledResult | None, choices: ExactChoices | None) -> ModeResult:
     """categories: each prompt's, in the order the lane answered them; no_loop: the prompts whose vanilla
-    answer does not loop; on_workers: layers live on RPC workers (the lane's round trips are reported)."""
-    stats = decode_stats(lane.records, oracle.n_layer)
+    answer does not loop; on_workers: layers live on RPC workers (the lane's round trips are reported); oracle and
+    costs: None without a pack (nothing exits)."""
+    n_layer = lane.engine.n_layer
+    stats = decode_stats(lane.records, n_layer)
     by_category: dict[str, GenerationStats] = {}
     for category, records in zip(categories, lane.records):
         for record in records[1:]:
-            by_category.setdefault(category, GenerationStats(oracle.n_layer, early_exit=True)).add(record)
+            by_category.setdefault(category, GenerationStats(n_layer, early_exit=True)).add(record)
     identical = [output == reference for output, reference in zip(lane.outputs, vanilla.outputs)]
     identical_by_category = {c: float(np.mean([same for same, cat in zip(identical, categories) if cat == c]))
                              for c in sorted(set(categories))}
     speedup = lane.timing.tok_s / vanilla.timing.tok_s if vanilla.timing.tok_s else 0.0
-    headroom = oracle.head_free_speedup - 1
+    headroom = oracle.head_free_speedup - 1 if oracle else 0.0
     policy = lane.engine.policy
     level = policy.level if policy and policy.threshold is None else None
     return ModeResult(
@@ -334,8 +353,8 @@ def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle, costs: T
         recall_by_category={c: {"steps": s.n_decode, "draft_recall_at_k": s.draft_recall_at_k,
                                 "recall_draft_head": s.recall_draft_head, "recall_lookup": s.recall_lookup}
                             for c, s in sorted(by_category.items())},
-        ms_per_token=time_split(stats, lane.timing.ms, costs.draft_ms),
-        exit_histogram=exit_histogram(stats.exit_layers, oracle.n_layer),
+        ms_per_token=time_split(stats, lane.timing.ms, costs.draft_ms if costs else 0.0),
+        exit_histogram=exit_histogram(stats.exit_layers, n_layer),
         exact=lane.engine.exact, acceptance_rate=stats.acceptance_rate, tokens_per_round=stats.tokens_per_round,
         lookup_round_share=stats.lookup_rounds / stats.rounds if stats.rounds else 0.0,
         verify_cost=verify_cost(stats, vanilla),

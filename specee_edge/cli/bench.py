@@ -38,6 +38,18 @@ class ManualProgress:
         return advance
 
 
+def pack_note(model: Path, threads: int) -> str:
+    """One line: what a pack would add to a model that has none, and how long calibrate would take here."""
+    from specee_edge.calibrate.forecast import forecast
+    from specee_edge.calibrate.progress import clock
+
+    with err_console.status("estimating what calibrate would take here ..."):
+        f = forecast(model, threads)
+    return (f"no pack: a pack would add exit drafts (exact mode drafting where the context offers nothing to copy) and "
+            f"lossy quality levels; `specee-edge calibrate {model}` would take {clock(f.fewest_s)} to {clock(f.most_s)} "
+            f"on this machine (estimated, not run)")
+
+
 @app.command()
 def bench(
     model: Annotated[str | None, typer.Argument(help="model GGUF or registry name (default: the default model)")] = None,
@@ -67,6 +79,7 @@ def bench(
 ) -> None:
     """Decode the same prompts with vanilla llama.cpp and SpecEE, interleaved: speed, oracle bound, quality."""
     from specee_edge.bench import BenchConfig, plot_bench, run_bench
+    from specee_edge.bench.run import NO_PACK
     from specee_edge.engine import AUTO, DEFAULT_KV_MODE
     from specee_edge.threads import default_threads
     from specee_edge.pull import resolve_model
@@ -92,6 +105,8 @@ def bench(
         err_console.print("interrupted: no results")
         raise typer.Exit(130) from None
     console.print(result.render())
+    if result.pack == NO_PACK:
+        console.print(pack_note(config.model, config.threads), highlight=False)
     if json_path:
         result.write_json(json_path)
         console.print(f"wrote {json_path}")

@@ -156,8 +156,9 @@ def engine_info(engine: Engine, sampling: SamplingParams, max_tokens: int, syste
         ("model path", str(info.path)),
     ]
     policy = engine.policy
-    if policy is None:
-        rows.append(("pack", "none (early exit off)"))
+    if policy is None:  # exact mode still drafts, by prompt lookup, unless SpecEE is off
+        rows.append(("pack", "none: exact mode with prompt-lookup drafts, no exits" if engine.exact else
+                             "none: plain decoding"))
     else:
         pack = policy.pack
         rows += [

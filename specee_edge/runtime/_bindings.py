@@ -99,6 +99,8 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
         ctypes.c_int32,
     ),
     "llama_specee_set_lookup": ([llama_context_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32], ctypes.c_int32),
+    "llama_specee_lm_rows_size": ([llama_context_p, ctypes.POINTER(ctypes.c_int32)], ctypes.c_size_t),
+    "llama_specee_set_lm_rows": ([llama_context_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int32),
     "llama_specee_set_predictor": (
         [llama_context_p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), _floats],
         ctypes.c_int32,

@@ -19,6 +19,7 @@ from llama_cpp import llama_cpp as _llama
 from specee_edge.archs import SUPPORTED
 from specee_edge.errors import ContextFullError, DecodeCancelled, SpecEEError, UnsupportedModelError
 from specee_edge.exits import ExitKind
+from specee_edge.gguf_index import GGUFIndex
 from specee_edge.runtime import rpc
 from specee_edge.runtime._bindings import C, KV_MODES, MAX_CANDIDATES, Decision, TokenInfo, probe_callback_t
 from specee_edge.runtime.model import Model
@@ -37,6 +38,7 @@ SLOWDOWN_ENV = {"step": "SPECEE_TEST_STEP_COST", "batch": "SPECEE_TEST_BATCH_COS
 
 # how the runtime stores draft matrices (ggml type ids)
 DRAFT_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
+OUTPUT_WEIGHT = "output.weight"  # an untied model's output head, as GGUF names it
 
 
 @dataclass(frozen=True)
@@ -147,11 +149,31 @@ class Context:
             )
         if rc != 0:
             raise SpecEEError(f"llama_specee_enable failed ({rc})")
+        self._hand_over_lm_rows()
         self.n_cand = n_cand
         self.kv_mode = kv_mode
         # a new early-exit state in C: no callback yet, and its candidate-logits buffer moved
         self._probe_callback = None
         self._cand_view = None
+
+    def _hand_over_lm_rows(self) -> None:
+        """The probes read their candidates' rows of the LM head with get_rows, which an output head that
+        llama.cpp repacked for the CPU's matrix kernels (Q4_0, IQ4_NL, Q4_K, ... on AVX2 and ARM) cannot give:
+        a model whose output head is not its token embedding then needs a plain copy, read from the GGUF."""
+        ggml_type = ctypes.c_int32(-1)
+        size = C["llama_specee_lm_rows_size"](self._ctx, ctypes.byref(ggml_type))
+        if not size:
+            return
+        path = self.model.info.path
+        output = GGUFIndex(path).tensor(OUTPUT_WEIGHT)
+        if output is None or int(output.tensor_type) != ggml_type.value or output.n_bytes != size:
+            raise SpecEEError(f"{path.name}'s output head, repacked for this CPU, needs a plain copy for early exit's"
+                              f" probes, and the file holds no {OUTPUT_WEIGHT} that llama.cpp loaded")
+        data = np.ascontiguousarray(output.data)  # a view of the file's memory map: C copies it
+        rc = C["llama_specee_set_lm_rows"](self._ctx, ggml_type.value, data.ctypes.data, size)
+        if rc != 0:
+            raise SpecEEError(f"early exit could not keep a copy of {path.name}'s output head"
+                              f" ({size / 2**20:.0f} MiB) for its probes ({rc})")
 
     def set_probe_layers(self, layers: Sequence[int]) -> None:
         """Layers where the token may stop (the schedule), each in [0, n_layer): after the last layer a stop

@@ -181,7 +181,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         levels = [level.quality for level in policy.pack.levels] if policy else []
         bands = [{"first": first, "last": last, "colour": BAND_COLOURS[band]}
                  for first, last, band in depth_bands(engine.n_layer)]
-        specee = {"n_layer": engine.n_layer, "n_ctx": engine.ctx.n_ctx, "early_exit": engine.early_exit,
+        specee = {"n_layer": engine.n_layer, "n_ctx": engine.ctx.n_ctx, "pack": policy is not None,
+                  "early_exit": engine.early_exit, "exact": engine.exact,
                   "quality_levels": levels, "quality": _level_quality(engine, engine.config.quality), "depth_bands": bands,
                   "layer_colours": [BAND_COLOURS[depth_band(layer, engine.n_layer)] for layer in range(engine.n_layer)]}
         return {"id": config.model_id, "object": "model", "created": 0, "owned_by": "specee-edge", "specee": specee}
