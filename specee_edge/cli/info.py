@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Group
 from rich.table import Table
 
+from specee_edge.errors import RuntimeMissingError
 from specee_edge.gguf_index import GGUFIndex
 from specee_edge.exits import ExitKind
 from specee_edge.pack.format import PACK_ARCH, Pack, QualityLevel, quality_name
@@ -39,8 +40,8 @@ def _early_exit_support(path: Path) -> str:
     """Only the patched runtime knows (it decides per architecture in C); info works without it."""
     try:
         from specee_edge.runtime import Model
-    except ImportError:
-        return "unknown: the patched runtime is not installed (make setup)"
+    except RuntimeMissingError:
+        return "unknown: the patched runtime is not installed (specee-edge setup)"
     return "supported" if Model(path).info.supports_early_exit else "not supported for this architecture"
 
 
