@@ -9,13 +9,16 @@ from typing import Annotated
 import typer
 
 from specee_edge.cli.app import app, console, err_console, fail
-from specee_edge.cli.chat import GpuLayers, Rpc, TensorSplit, set_placement
+from specee_edge.cli.chat import GpuLayers, HfFile, HfRepo, Rpc, TensorSplit, pick_model, set_placement
 from specee_edge.errors import SpecEEError
 
 
 @app.command()
 def calibrate(
-    model: Annotated[str, typer.Argument(help="model GGUF (or a registry name from `specee-edge pull --list`)")],
+    model: Annotated[str | None, typer.Argument(help="model GGUF (or a registry name from `specee-edge pull --list`)",
+                                                show_default=False)] = None,
+    hf_repo: HfRepo = None,
+    hf_file: HfFile = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="pack to write [default: MODEL.specee.gguf beside the model]")] = None,
     tokens: Annotated[int | None, typer.Option("--tokens", help="answer tokens to collect [default: 65000]")] = None,
     minutes: Annotated[float | None, typer.Option("--minutes", help="size the run (answer tokens and the later stages) to take about this many minutes on this machine, and say what the smaller run gives up")] = None,
@@ -59,7 +62,9 @@ def calibrate(
         heldout_tokens = DEFAULT_SIZE.heldout_tokens if heldout_tokens is None else heldout_tokens
         identical_tokens = DEFAULT_SIZE.identical_tokens if identical_tokens is None else identical_tokens
         set_placement(rpc_workers, n_gpu_layers, tensor_split)
-        model_path = resolve_model(model)
+        if model is None and hf_repo is None:
+            raise SpecEEError("give the model to calibrate: a GGUF, a registry name, or -hf USER/REPO[:QUANT]")
+        model_path = resolve_model(pick_model(model, None, hf_repo, hf_file))
         try:
             level_list = tuple(sorted({float(q) for q in levels.split(",")}))
         except ValueError:
