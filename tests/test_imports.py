@@ -21,6 +21,7 @@ PACKAGE = ROOT / "specee_edge"
 # lower layers, never a unit of its own layer or above. "" is the package root (__version__).
 LAYERS = (
     ("cli",),
+    ("stores",),
     ("bench", "calibrate", "pull", "hf", "server"),
     ("engine",),
     ("draft", "predictor"),

@@ -19,7 +19,7 @@ def calibrate(
                                                 show_default=False)] = None,
     hf_repo: HfRepo = None,
     hf_file: HfFile = None,
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="pack to write [default: MODEL.specee.gguf beside the model]")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="pack to write [default: MODEL.specee.gguf beside the model; for a model in another tool's store (Hugging Face, Ollama, LM Studio, llama.cpp) or a read-only folder, the cache, by the model's fingerprint]")] = None,
     tokens: Annotated[int | None, typer.Option("--tokens", help="answer tokens to collect [default: 65000]")] = None,
     minutes: Annotated[float | None, typer.Option("--minutes", help="size the run (answer tokens and the later stages) to take about this many minutes on this machine, and say what the smaller run gives up")] = None,
     prompts: Annotated[Path | None, typer.Option("--prompts", help="JSONL prompts ({\"prompt\": ...}) instead of the built-in set")] = None,
@@ -47,8 +47,8 @@ def calibrate(
     from specee_edge.calibrate import CalibrateConfig
     from specee_edge.calibrate import calibrate as run_calibration
     from specee_edge.calibrate.budget import DEFAULT_SIZE
-    from specee_edge.engine.exit import PACK_SUFFIX
     from specee_edge.pull import resolve_model
+    from specee_edge.stores import pack_output
     from specee_edge.threads import default_threads
 
     try:
@@ -75,7 +75,7 @@ def calibrate(
                 or not 0 <= lookup <= 8 or draft_ridge < 0):
             raise SpecEEError("need 1 <= --k <= 8, --tokens >= 1, --replay-tokens, --heldout-tokens and --identical-tokens"
                               " >= 1, --draft-vocab >= --k, 0 <= --lookup <= 8 and --draft-ridge >= 0")
-        output = output or model_path.with_name(model_path.name.removesuffix(".gguf") + PACK_SUFFIX)
+        output = output or pack_output(model_path)
         if exact_only:
             _exact_only(model_path, pack, output, prompts=prompts, seed=seed, threads=threads or default_threads())
             return
