@@ -30,6 +30,7 @@ class Hub:
     def __init__(self) -> None:
         self.repos: dict[str, dict[str, bytes]] = {}
         self.cut: set[str] = set()  # files whose bodies stop halfway, as a dropped connection leaves them
+        self.tokens: dict[str, str] = {}  # private repositories: the token each needs
         self.gets: list[str] = []
         hub = self
 
@@ -52,12 +53,15 @@ class Hub:
                 self.end_headers()
                 self.wfile.write(payload)
 
+            def authorized(self, repo: str) -> bool:
+                return repo not in hub.tokens or self.headers.get("Authorization") == f"Bearer {hub.tokens[repo]}"
+
             def answer(self, body: bool) -> None:
                 path = self.path.split("?")[0]
                 if path.startswith("/api/models/"):
                     repo = path.removeprefix("/api/models/").split("/revision/")[0]
-                    if repo not in hub.repos:
-                        return self.refuse(401, "RepoNotFound")
+                    if repo not in hub.repos or not self.authorized(repo):
+                        return self.refuse(401, "RepoNotFound")  # the Hub answers a private repository so too
                     payload = json.dumps({"id": repo, "sha": COMMIT,
                                           "siblings": [{"rfilename": f} for f in hub.repos[repo]]}).encode()
                     self.send_response(200)
@@ -67,7 +71,7 @@ class Hub:
                     return self.wfile.write(payload) if body else None
                 owner, name, resolve, _revision, file = (path.lstrip("/").split("/", 4) + [""] * 5)[:5]
                 repo = f"{owner}/{name}"
-                if resolve != "resolve" or repo not in hub.repos:
+                if resolve != "resolve" or repo not in hub.repos or not self.authorized(repo):
                     return self.refuse(404, "RepoNotFound")
                 if file not in hub.repos[repo]:
                     return self.refuse(404, "EntryNotFound")
@@ -107,6 +111,8 @@ def hub(tiny_bytes, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no token saved by a login here
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     yield hub
     hub.close()
@@ -138,6 +144,26 @@ def test_a_repo_downloads_once_into_the_hugging_face_cache(hub, tmp_path, tiny_b
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # and found offline, through the cache alone
     hub.close()
     assert hf_model(REPO) == path
+
+
+def test_a_private_repo_takes_hf_token(hub, tiny_bytes, monkeypatch):
+    hub.repos["tester/private-GGUF"] = {"p-Q4_K_M.gguf": tiny_bytes}
+    hub.tokens["tester/private-GGUF"] = "hf_secret"
+    with pytest.raises(HubError, match="^no model repository tester/private-GGUF .*needs HF_TOKEN"):
+        hf_model("tester/private-GGUF")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    assert hf_model("tester/private-GGUF").read_bytes() == tiny_bytes
+
+
+def test_every_model_command_takes_hf():
+    import typer
+
+    from specee_edge.cli import app
+
+    commands = typer.main.get_command(app).commands
+    for name in ("chat", "generate", "serve", "bench", "calibrate"):
+        options = {opt for param in commands[name].params for opt in param.opts}
+        assert {"-hf", "--hf-repo", "--hf-file"} <= options, name
 
 
 def test_a_split_model_comes_whole(hub, tiny_bytes):
