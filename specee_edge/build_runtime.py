@@ -15,7 +15,7 @@ Environment:
     SPECEE_CMAKE_ARGS  extra CMake flags, appended to the backend's flags
     SPECEE_CACHE       cache directory (default: ~/.cache/specee-edge)
 
-`specee-edge build-runtime` runs it in the environment the package is installed in; a source checkout's
+`specee-edge setup` runs it in the environment the package is installed in; a source checkout's
 ``make setup`` runs ``tools/build_runtime.py [--force | --print-key]`` with its .venv's interpreter. On a
 machine with no network, ``--sdist`` names a local sdist (tools/gpu_bundle.py makes a pruned one) and
 ``--target DIR`` installs with ``pip --target`` into a folder on PYTHONPATH rather than into the
