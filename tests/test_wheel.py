@@ -1,4 +1,5 @@
-"""A built (non-editable) install carries models/, the registry and the shipped packs, and finds them."""
+"""A built (non-editable) install carries models/ (the registry and the shipped packs) and patches/ (what
+`specee-edge setup` builds the runtime from), and finds them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specee_edge.build_runtime import PATCH_DIR
 from specee_edge.shipped import shipped_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +25,7 @@ def build_package(tmp_path: Path) -> Path:
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for name in ("specee_edge", "models"):
+    for name in ("specee_edge", "models", "patches"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     lib = tmp_path / "lib"
     result = subprocess.run([sys.executable, "-c", "from setuptools import setup; setup()", "-q", "build_py",
@@ -40,18 +42,24 @@ def test_built_package_carries_the_models_folder(tmp_path):
     shipped = {p.name for p in (ROOT / "models").iterdir()}
     assert {"registry.json", "SmolLM2-135M-Instruct.Q4_1.specee.gguf"} <= shipped
     assert {p.name for p in (lib / "specee_edge" / "models").iterdir()} == shipped
+    patches = {p.relative_to(ROOT / "patches") for p in (ROOT / "patches").rglob("*") if p.is_file()}
+    assert {p.relative_to(lib / "specee_edge" / "patches") for p in (lib / "specee_edge" / "patches").rglob("*")
+            if p.is_file()} == patches
 
-    # installed like that, away from the repository, the package finds them through shipped_dir()
+    # installed like that, away from the repository, the package finds them through shipped_dir() and PATCH_DIR
     script = ("import specee_edge, specee_edge.registry as registry; from specee_edge.shipped import shipped_dir;"
-              " print(specee_edge.__file__); print(shipped_dir()); print(sorted(registry.load_registry()))")
+              " from specee_edge.build_runtime import PATCH_DIR;"
+              " print(specee_edge.__file__); print(shipped_dir()); print(sorted(registry.load_registry())); print(PATCH_DIR)")
     env = {k: v for k, v in os.environ.items() if k not in ("SPECEE_REGISTRY",)} | {"PYTHONPATH": str(lib)}
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    module, found, names = result.stdout.splitlines()
+    module, found, names, patch_dir = result.stdout.splitlines()
     assert Path(module).is_relative_to(lib) and Path(found) == lib / "specee_edge" / "models"
+    assert Path(patch_dir) == lib / "specee_edge" / "patches"
     assert "smollm2-135m-instruct" in names
 
 
-def test_source_checkout_finds_the_repository_models_folder():
+def test_source_checkout_finds_the_repository_models_and_patches_folders():
     assert shipped_dir() == ROOT / "models"
+    assert PATCH_DIR == ROOT / "patches"

@@ -25,9 +25,11 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from build_runtime import cache_root, die, extract_sdist, fetch_sdist, patch_files
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from specee_edge.build_runtime import cache_root, die, extract_sdist, fetch_sdist, patch_files  # noqa: E402
+
 # What the GPU image lacks of the package's requirements (its image holds numpy, pyyaml, tqdm, jinja2, ...):
 # gguf for the models, diskcache for llama-cpp-python. Pinned to the versions this environment runs.
 WHEELS = ("gguf", "diskcache")

@@ -24,9 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from build_runtime import (  # noqa: E402
+from specee_edge.build_runtime import (  # noqa: E402
     PATCH_DIR, cache_root, copy_sources, extract_sdist, fetch_sdist, patch_files, source_destination, source_files,
 )
 

@@ -12,7 +12,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specee_edge.cli.app import app, console, err_console, fail
-from specee_edge.cli.chat import RPC_TIMEOUT_S, GpuLayers, Rpc, RpcTimeout, TensorSplit, set_placement
+from specee_edge.cli.chat import RPC_TIMEOUT_S, GpuLayers, HfFile, HfRepo, Rpc, RpcTimeout, TensorSplit, pick_model, set_placement
 from specee_edge.errors import SpecEEError
 
 REFRESH_S = 0.2
@@ -53,6 +53,8 @@ def pack_note(model: Path, threads: int) -> str:
 @app.command()
 def bench(
     model: Annotated[str | None, typer.Argument(help="model GGUF or registry name (default: the default model)")] = None,
+    hf_repo: HfRepo = None,
+    hf_file: HfFile = None,
     pack: Annotated[str | None, typer.Option("--pack", help="pack (default: MODEL.specee.gguf beside the model, else the shipped one)")] = None,
     prompts: Annotated[str, typer.Option("--prompts", help="chat, code, math, summarize, edit, all, or a .jsonl file")] = "all",
     num_prompts: Annotated[int, typer.Option("-p", "--num-prompts", help="prompts to run, in turns from each category (0: all)")] = 8,
@@ -92,7 +94,7 @@ def bench(
             raise SpecEEError(f"unknown KV mode {mode!r}: choose {', '.join(KV_MODES)} or all")
         set_placement(rpc_workers, n_gpu_layers, tensor_split, rpc_timeout)
         config = BenchConfig(
-            model=resolve_model(model), pack=pack or AUTO, prompt_set=prompts, num_prompts=num_prompts,
+            model=resolve_model(pick_model(model, None, hf_repo, hf_file)), pack=pack or AUTO, prompt_set=prompts, num_prompts=num_prompts,
             tokens=tokens, kv_modes=modes, threads=threads or default_threads(), quality=quality, threshold=threshold,
             ppl_tokens=ppl_tokens, python_policy=python_policy, sampled=sampled, peer=peer, lookup_lane=lookup_lane, seed=seed, command=" ".join(["specee-edge", *sys.argv[1:]]),
         )

@@ -9,14 +9,17 @@ from typing import Annotated
 import typer
 
 from specee_edge.cli.app import app, console, err_console, fail
-from specee_edge.cli.chat import RPC_TIMEOUT_S, GpuLayers, Rpc, RpcTimeout, TensorSplit, set_placement
+from specee_edge.cli.chat import RPC_TIMEOUT_S, GpuLayers, HfFile, HfRepo, Rpc, RpcTimeout, TensorSplit, pick_model, set_placement
 from specee_edge.errors import SpecEEError
 
 
 @app.command()
 def calibrate(
-    model: Annotated[str, typer.Argument(help="model GGUF (or a registry name from `specee-edge pull --list`)")],
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="pack to write [default: MODEL.specee.gguf beside the model]")] = None,
+    model: Annotated[str | None, typer.Argument(help="model GGUF (or a registry name from `specee-edge pull --list`)",
+                                                show_default=False)] = None,
+    hf_repo: HfRepo = None,
+    hf_file: HfFile = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="pack to write [default: MODEL.specee.gguf beside the model; for a model in another tool's store (Hugging Face, Ollama, LM Studio, llama.cpp) or a read-only folder, the cache, by the model's fingerprint]")] = None,
     tokens: Annotated[int | None, typer.Option("--tokens", help="answer tokens to collect [default: 65000]")] = None,
     minutes: Annotated[float | None, typer.Option("--minutes", help="size the run (answer tokens and the later stages) to take about this many minutes on this machine, and say what the smaller run gives up")] = None,
     prompts: Annotated[Path | None, typer.Option("--prompts", help="JSONL prompts ({\"prompt\": ...}) instead of the built-in set")] = None,
@@ -45,8 +48,8 @@ def calibrate(
     from specee_edge.calibrate import CalibrateConfig
     from specee_edge.calibrate import calibrate as run_calibration
     from specee_edge.calibrate.budget import DEFAULT_SIZE
-    from specee_edge.engine.exit import PACK_SUFFIX
     from specee_edge.pull import resolve_model
+    from specee_edge.stores import pack_output
     from specee_edge.threads import default_threads
 
     try:
@@ -60,7 +63,9 @@ def calibrate(
         heldout_tokens = DEFAULT_SIZE.heldout_tokens if heldout_tokens is None else heldout_tokens
         identical_tokens = DEFAULT_SIZE.identical_tokens if identical_tokens is None else identical_tokens
         set_placement(rpc_workers, n_gpu_layers, tensor_split, rpc_timeout)
-        model_path = resolve_model(model)
+        if model is None and hf_repo is None:
+            raise SpecEEError("give the model to calibrate: a GGUF, a registry name, or -hf USER/REPO[:QUANT]")
+        model_path = resolve_model(pick_model(model, None, hf_repo, hf_file))
         try:
             level_list = tuple(sorted({float(q) for q in levels.split(",")}))
         except ValueError:
@@ -71,7 +76,7 @@ def calibrate(
                 or not 0 <= lookup <= 8 or draft_ridge < 0):
             raise SpecEEError("need 1 <= --k <= 8, --tokens >= 1, --replay-tokens, --heldout-tokens and --identical-tokens"
                               " >= 1, --draft-vocab >= --k, 0 <= --lookup <= 8 and --draft-ridge >= 0")
-        output = output or model_path.with_name(model_path.name.removesuffix(".gguf") + PACK_SUFFIX)
+        output = output or pack_output(model_path)
         if exact_only:
             _exact_only(model_path, pack, output, prompts=prompts, seed=seed, threads=threads or default_threads())
             return

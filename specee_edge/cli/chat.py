@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 ModelArg = Annotated[str | None, typer.Argument(metavar="MODEL", show_default=False,
                                                 help="model GGUF or registry name (default: the default model)")]
 ModelOpt = Annotated[str | None, typer.Option("-m", "--model", show_default=False, help="the model, instead of the argument")]
+HfRepo = Annotated[str | None, typer.Option("-hf", "-hfr", "--hf-repo", metavar="USER/REPO[:QUANT]", show_default=False, help=(
+    "the model from a Hugging Face repository, as llama.cpp's -hf: the quant the tag names, else Q4_K_M, else the"
+    " first GGUF; into the Hugging Face cache (HF_TOKEN, HF_HUB_OFFLINE apply)"))]
+HfFile = Annotated[str | None, typer.Option("-hff", "--hf-file", show_default=False,
+                                            help="the file of the -hf repository to load, instead of picking a quant")]
 PackOpt = Annotated[str | None, typer.Option("--pack", show_default=False,
                                              help="pack GGUF (default: MODEL.specee.gguf beside the model, else a shipped one)")]
 NPredict = Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate at most (-1: until the context is full)")]
@@ -181,16 +186,34 @@ def sampling_params(temp: float, top_k: int, top_p: float, min_p: float, repeat_
                           seed=None if seed < 0 else seed)
 
 
-def pick_model(model: str | None, model_opt: str | None) -> str | None:
+def pick_model(model: str | None, model_opt: str | None, hf_repo: str | None = None,
+               hf_file: str | None = None) -> str | None:
+    """The model the command line names: the argument, -m, or -hf (downloaded here) - at most one of them. A
+    name `specee-edge models` shows for another tool's store (ollama:qwen2.5:0.5b, ...) becomes its file."""
     if model is not None and model_opt is not None and model != model_opt:
         raise SpecEEError(f"two models given: {model} and -m {model_opt}")
-    return model_opt or model
+    named = model_opt or model
+    if hf_repo is None:
+        if hf_file is not None:
+            raise SpecEEError("--hf-file names a file of the -hf repository: give -hf USER/REPO too")
+        from specee_edge.stores import is_store_name, resolve_stored
+
+        if named is not None and is_store_name(named) and not Path(named).is_file():
+            return str(resolve_stored(named))
+        return named
+    if named is not None:
+        raise SpecEEError(f"two models given: {named} and -hf {hf_repo}")
+    from specee_edge.hf import hf_model
+
+    return str(hf_model(hf_repo, hf_file))
 
 
 @app.command()
 def chat(
     model: ModelArg = None,
     model_opt: ModelOpt = None,
+    hf_repo: HfRepo = None,
+    hf_file: HfFile = None,
     pack: PackOpt = None,
     n_predict: NPredict = 512,
     ctx_size: CtxSize = 4096,
@@ -221,7 +244,7 @@ def chat(
     from specee_edge.pull import models_dir
 
     try:
-        opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
+        opts = EngineOptions(pick_model(model, model_opt, hf_repo, hf_file), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
                              quality, threshold, not no_early_exit, rpc_workers, tensor_split, rpc_timeout,
                              speculation=speculation)
         settings = ReplSettings(sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed), n_predict,
@@ -268,6 +291,8 @@ def generate(
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON object: text, model, pack, stats")] = False,
     raw: Annotated[bool, typer.Option("--raw", help="send the prompt as is, without the chat template")] = False,
     model_opt: ModelOpt = None,
+    hf_repo: HfRepo = None,
+    hf_file: HfFile = None,
     pack: PackOpt = None,
     n_predict: NPredict = 512,
     ctx_size: CtxSize = 4096,
@@ -297,7 +322,7 @@ def generate(
 
     try:
         text = _prompt_text(prompt, file)
-        opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
+        opts = EngineOptions(pick_model(model, model_opt, hf_repo, hf_file), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
                              quality, threshold, not no_early_exit, rpc_workers, tensor_split, rpc_timeout,
                              speculation=speculation)
         sampling = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)

@@ -8,10 +8,12 @@ from pathlib import Path
 from rich.console import Group
 from rich.table import Table
 
+from specee_edge.errors import RuntimeMissingError
 from specee_edge.gguf_index import GGUFIndex
 from specee_edge.exits import ExitKind
 from specee_edge.pack.format import PACK_ARCH, Pack, QualityLevel, quality_name
 from specee_edge.pack.io import read_pack
+from specee_edge.pack.locate import find_pack, pack_origin
 from specee_edge.pack.target import target_identity
 
 
@@ -39,8 +41,8 @@ def _early_exit_support(path: Path) -> str:
     """Only the patched runtime knows (it decides per architecture in C); info works without it."""
     try:
         from specee_edge.runtime import Model
-    except ImportError:
-        return "unknown: the patched runtime is not installed (make setup)"
+    except RuntimeMissingError:
+        return "unknown: the patched runtime is not installed (specee-edge setup)"
     return "supported" if Model(path).info.supports_early_exit else "not supported for this architecture"
 
 
@@ -58,7 +60,14 @@ def _model_summary(path: Path, reader: GGUFIndex) -> Group:
         ("tensor types", ", ".join(f"{name} x{n}" for name, n in types.most_common())),
         ("early exit", _early_exit_support(path)),
         ("fingerprint", identity.fingerprint[:16]),
+        ("pack", _pack_found(path)),
     ]))
+
+
+def _pack_found(path: Path) -> str:
+    """The pack chat, serve and bench load for this model without --pack, and where it was found."""
+    pack = find_pack(path)
+    return "none: `specee-edge calibrate` makes one" if pack is None else f"{pack} ({pack_origin(pack, path)})"
 
 
 def _draft_text(pack: Pack) -> str:

@@ -9,9 +9,9 @@ from typing import Annotated
 import typer
 
 from specee_edge.cli.app import app, console, fail
-from specee_edge.cli.chat import (RPC_TIMEOUT_S, ChatTemplate, CtxSize, EngineOptions, GpuLayers, KvModeOpt, ModelArg,
-                                  ModelOpt, PackOpt, Quality, Rpc, RpcTimeout, Speculation, TensorSplit, Threads, chat_template_text,
-                                  load_engine, pick_model)
+from specee_edge.cli.chat import (RPC_TIMEOUT_S, ChatTemplate, CtxSize, EngineOptions, GpuLayers, HfFile, HfRepo,
+                                  KvModeOpt, ModelArg, ModelOpt, PackOpt, Quality, Rpc, RpcTimeout, Speculation,
+                                  TensorSplit, Threads, chat_template_text, load_engine, pick_model)
 from specee_edge.errors import SpecEEError
 
 
@@ -19,6 +19,8 @@ from specee_edge.errors import SpecEEError
 def serve(
     model: ModelArg = None,
     model_opt: ModelOpt = None,
+    hf_repo: HfRepo = None,
+    hf_file: HfFile = None,
     pack: PackOpt = None,
     host: Annotated[str, typer.Option("--host", help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="port to listen on")] = 8080,
@@ -50,7 +52,7 @@ def serve(
         raise fail(f"--max-queue must be at least 1, got {max_queue}")
     try:
         listener = _listen(host, port)
-        opts = EngineOptions(pick_model(model, model_opt), pack, ctx_size, n_gpu_layers, threads,
+        opts = EngineOptions(pick_model(model, model_opt, hf_repo, hf_file), pack, ctx_size, n_gpu_layers, threads,
                              kv_mode.value if kv_mode else None, quality, None, True, rpc_workers, tensor_split, rpc_timeout,
                              speculation=speculation)
         template = chat_template_text(chat_template)

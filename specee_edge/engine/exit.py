@@ -27,25 +27,13 @@ from specee_edge.errors import SpecEEError
 from specee_edge.exits import ExitKind
 from specee_edge.pack import Pack, QualityLevel, check_target, read_pack, target_identity
 from specee_edge.pack.format import OFF, LayerExit
+from specee_edge.pack.locate import SHIPPED_PACKS, find_pack  # noqa: F401  (where the engine and its tests import them)
 from specee_edge.predictor import MLPPredictor
 from specee_edge.predictor.rule import Outcome, TokenChecks
 from specee_edge.predictor.schedule import OnlineSchedule
 from specee_edge.runtime import Context
 from specee_edge.runtime.context import StepInfo
 from specee_edge.runtime.weights import TargetWeights
-from specee_edge.shipped import shipped_dir
-
-SHIPPED_PACKS = shipped_dir()
-PACK_SUFFIX = ".specee.gguf"
-
-
-def find_pack(model_path: Path) -> Path | None:
-    """MODEL.specee.gguf beside the model, else a pack of that name shipped in models/."""
-    name = Path(model_path).name.removesuffix(".gguf") + PACK_SUFFIX
-    for candidate in (Path(model_path).with_name(name), SHIPPED_PACKS / name):
-        if candidate.is_file():
-            return candidate
-    return None
 
 
 @dataclass

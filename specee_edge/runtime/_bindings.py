@@ -6,11 +6,19 @@ The library is the one llama-cpp-python loaded; the functions exist only in the 
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
-import llama_cpp
-from llama_cpp import llama_cpp as _llama
+from specee_edge.errors import SETUP_HINT, RuntimeMissingError
 
-from specee_edge.errors import SpecEEError
+try:
+    import llama_cpp
+    from llama_cpp import llama_cpp as _llama
+except ModuleNotFoundError as e:
+    if not (e.name or "").startswith("llama_cpp"):
+        raise
+    raise RuntimeMissingError(f"the patched llama.cpp runtime is not installed: {SETUP_HINT}") from None
+except ImportError as e:
+    raise RuntimeMissingError(f"llama_cpp cannot be imported ({e}): {SETUP_HINT}") from None
 
 MAX_CANDIDATES = 8
 
@@ -123,8 +131,9 @@ def _bind() -> dict[str, ctypes._CFuncPtr]:
         try:
             fn = getattr(_lib, name)
         except AttributeError:
-            raise SpecEEError(
-                f"libllama in {llama_cpp.__file__} lacks {name}: it is not the patched runtime; run `make setup`"
+            raise RuntimeMissingError(
+                f"llama_cpp in {Path(llama_cpp.__file__).parent} is not the patched runtime (its libllama lacks "
+                f"{name}): {SETUP_HINT}"
             ) from None
         fn.argtypes = argtypes
         fn.restype = restype

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from llama_cpp import llama_cpp as _llama
 
-from specee_edge.errors import SpecEEError
+from specee_edge.errors import SETUP_HINT, SpecEEError
 
 DEFAULT_PORT = 50052  # rpc-server's
 LOOPBACK = "127.0.0.1"
@@ -146,14 +146,14 @@ def set_timeout(seconds: float) -> None:
 def _rpc_reg() -> int:
     reg = libggml.ggml_backend_reg_by_name(b"RPC")
     if not reg:
-        raise SpecEEError("this runtime was built without ggml's RPC backend (GGML_RPC): run `make setup`")
+        raise SpecEEError(f"this runtime was built without ggml's RPC backend (GGML_RPC): {SETUP_HINT}")
     return reg
 
 
 def _proc(name: str, prototype):
     address = libggml.ggml_backend_reg_get_proc_address(_rpc_reg(), name.encode())
     if not address:
-        raise SpecEEError(f"ggml's RPC backend lacks {name}: it is not the patched runtime; run `make setup`")
+        raise SpecEEError(f"ggml's RPC backend lacks {name}: it is not the patched runtime; {SETUP_HINT}")
     return prototype(address)
 
 

@@ -1,0 +1,162 @@
+"""Models from the Hugging Face Hub in llama.cpp's spelling: `-hf user/repo[:quant]` and `--hf-file FILE`.
+
+Files go through huggingface_hub, so its cache (HF_HUB_CACHE, HF_HOME), its token (HF_TOKEN), its
+endpoint (HF_ENDPOINT), offline mode (HF_HUB_OFFLINE) and its resumed downloads all apply; a model
+fetched here is the same file `Llama.from_pretrained` and the Hub's own tools find. Without a file
+named, the quant is picked as llama.cpp picks it: the one the tag names (case-insensitive), else Q4_K_M,
+else Q8_0, else the first GGUF; of a split GGUF (`-00001-of-00003.gguf`), every part is fetched and the
+first one returned, which is where llama.cpp loads a split model from.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from specee_edge.errors import SpecEEError
+
+DEFAULT_TAGS = ("Q4_K_M", "Q8_0")
+SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+# GGUFs in model repositories that are not models (llama.cpp skips the same names)
+NOT_MODELS = ("mmproj", "imatrix")
+OFFLINE_VALUES = ("1", "on", "yes", "true")
+
+
+class HubError(SpecEEError):
+    """A model could not be had from the Hub: a wrong repository, quant or file, no network, a cut download."""
+
+
+@dataclass(frozen=True)
+class HfSpec:
+    """What -hf names: a repository and the quant tag after its colon, if any."""
+
+    repo: str
+    tag: str | None
+
+    @classmethod
+    def parse(cls, text: str) -> HfSpec:
+        repo, _, tag = text.partition(":")
+        owner, _, name = repo.partition("/")
+        if not owner or not name or "/" in name:
+            raise HubError(f"-hf takes USER/REPO[:QUANT] (e.g. bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M), got {text!r}")
+        return cls(repo, tag or None)
+
+
+def is_model_gguf(path: str) -> bool:
+    name = path.rsplit("/", 1)[-1].lower()
+    return name.endswith(".gguf") and not any(word in name for word in NOT_MODELS)
+
+
+def is_first_part(path: str) -> bool:
+    """A single-file GGUF, or the first part of a split one."""
+    split = SPLIT.match(path.rsplit("/", 1)[-1])
+    return split is None or int(split["index"]) == 1
+
+
+def pick_file(files: list[str], tag: str | None) -> str | None:
+    """The model GGUF llama.cpp would load from a repository of these files (None: no such file)."""
+    candidates = [f for f in files if is_model_gguf(f) and is_first_part(f)]
+    for wanted in [tag] if tag else DEFAULT_TAGS:
+        pattern = re.compile(re.escape(wanted) + r"[.-]", re.IGNORECASE)
+        for file in candidates:
+            if pattern.search(file):
+                return file
+    return candidates[0] if candidates and not tag else None
+
+
+def split_parts(files: list[str], primary: str) -> list[str]:
+    """Every part of ``primary``'s split GGUF in order, or [primary] for a single file."""
+    folder, _, name = primary.rpartition("/")
+    split = SPLIT.match(name)
+    if split is None:
+        return [primary]
+    count = int(split["count"])
+    prefix = f"{folder}/{split['prefix']}" if folder else split["prefix"]
+    parts = [f"{prefix}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    missing = [p for p in parts if p not in files]
+    if missing:
+        raise HubError(f"{primary} is part 1 of {count}, but the repository lacks {', '.join(missing)}")
+    return parts
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in OFFLINE_VALUES
+
+
+def cache_dir() -> Path:
+    """huggingface_hub's cache, read when called (its own constant is read once, at import)."""
+    if configured := os.environ.get("HF_HUB_CACHE"):
+        return Path(configured).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def endpoint() -> str | None:
+    return os.environ.get("HF_ENDPOINT") or None
+
+
+def cached_files(repo: str) -> list[str]:
+    """The files of ``repo`` in the cache's snapshot of main (what offline mode can load)."""
+    folder = cache_dir() / f"models--{repo.replace('/', '--')}"
+    try:
+        commit = (folder / "refs" / "main").read_text().strip()
+    except OSError:
+        return []
+    snapshot = folder / "snapshots" / commit
+    return sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
+
+
+def repo_files(repo: str) -> tuple[list[str], bool]:
+    """The repository's files, and whether they came from the Hub (else from the cache: offline or no network)."""
+    import httpx2
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, OfflineModeIsEnabled, RepositoryNotFoundError
+
+    where = endpoint() or "huggingface.co"
+    reason = "HF_HUB_OFFLINE is set"
+    if not offline():
+        try:
+            info = HfApi(endpoint=endpoint()).model_info(repo, revision="main")
+            return sorted(s.rfilename for s in info.siblings or ()), True
+        except GatedRepoError:
+            raise HubError(f"{repo} is gated: accept its terms on its page and set HF_TOKEN") from None
+        except RepositoryNotFoundError:
+            raise HubError(f"no model repository {repo} on {where} (a private one needs HF_TOKEN)") from None
+        except (OfflineModeIsEnabled, httpx2.TransportError) as e:
+            reason = f"cannot reach {where}: {e}"
+    files = cached_files(repo)
+    if not files:
+        raise HubError(f"{reason}, and {repo} is not in the Hugging Face cache ({cache_dir()})")
+    return files, False
+
+
+def download(repo: str, file: str, online: bool) -> Path:
+    """One file through the cache: fetched (or resumed) when online, else the cached copy."""
+    import httpx2
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo, file, cache_dir=cache_dir(), endpoint=endpoint(), local_files_only=not online))
+    except (OSError, httpx2.TransportError) as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise HubError(f"downloading {file} from {repo} failed ({detail}): run the command again to resume") from None
+
+
+def hf_model(spec_text: str, hf_file: str | None = None) -> Path:
+    """The local path of the model `-hf spec_text [--hf-file hf_file]` names, downloading what is missing."""
+    spec = HfSpec.parse(spec_text)
+    files, online = repo_files(spec.repo)
+    ggufs = [f for f in files if f.lower().endswith(".gguf")]
+    if hf_file is not None:
+        primary = next((f for f in files if f.lower() == hf_file.lower()), None)
+        if primary is None:
+            raise HubError(f"{spec.repo} has no file {hf_file}: its GGUFs are {', '.join(ggufs) or 'none'}")
+    else:
+        primary = pick_file(files, spec.tag)
+        if primary is None:
+            wanted = f"tagged {spec.tag}" if spec.tag else "files"
+            raise HubError(f"{spec.repo} has no GGUF {wanted}: it has {', '.join(ggufs) or 'none'}")
+    paths = [download(spec.repo, part, online) for part in split_parts(files, primary)]
+    return paths[0]

