@@ -38,6 +38,7 @@ DEFAULT_SPEC_TYPES = ("ngram-mod", "ngram-map-k")  # the ones best at their defa
 DRAFT = "draft"  # the lane of -md DRAFT (--draft-model)
 BUILDER = Path(__file__).resolve().parents[2] / "tools" / "build_llama_server.py"  # in a source checkout
 ENV_BINARY = "SPECEE_LLAMA_SERVER"
+BUILD_MINUTES = "about 30 minutes"  # 40 min measured on a loaded 2-core VM (docs/bench.md)
 START_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 5.0
@@ -61,6 +62,8 @@ def find_binary(explicit: Path | None = None, build: bool = True) -> Path:
     found = subprocess.run([sys.executable, str(BUILDER), "--print-path"], capture_output=True, text=True)
     path = Path(found.stdout.strip().splitlines()[-1]) if found.stdout.strip() else None
     if found.returncode != 0 and build:
+        print(f"building llama-server from the runtime's llama.cpp: once, cached; {BUILD_MINUTES} on 2 cores",
+              file=sys.stderr, flush=True)
         built = subprocess.run([sys.executable, str(BUILDER)], stdout=subprocess.PIPE, text=True)  # progress on stderr's tty
         path = Path(built.stdout.strip().splitlines()[-1]) if built.returncode == 0 and built.stdout.strip() else None
         if path is None:
@@ -137,6 +140,7 @@ class LlamaServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
         self.log_path = Path(self.log.name)
+        self.keep_log = False  # a server that failed keeps its log, which its error line names
         self.proc = subprocess.Popen(setup.args(self.port, extra), stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
         try:
@@ -158,9 +162,11 @@ class LlamaServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.1)
+        self.keep_log = True
         raise LlamaServerError(f"llama-server did not start within {START_TIMEOUT_S:.0f} s (log: {self.log_path})")
 
     def last_log_line(self) -> str:
+        self.keep_log = True
         lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
         return lines[-1].strip() if lines else "no output"
 
@@ -178,6 +184,7 @@ class LlamaServer:
             with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
                 answer = json.load(reply)
         except urllib.error.HTTPError as e:
+            self.keep_log = True
             raise LlamaServerError(f"llama-server answered {e.code}: {e.read().decode(errors='replace')[:200]}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             raise LlamaServerError(f"llama-server did not answer ({e}); {self.last_log_line()} "
@@ -197,6 +204,8 @@ class LlamaServer:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        if not self.keep_log:
+            self.log_path.unlink(missing_ok=True)
 
     def __enter__(self) -> LlamaServer:
         return self
