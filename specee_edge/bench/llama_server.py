@@ -34,7 +34,8 @@ from specee_edge.runtime.costs import Timing
 PLAIN = "llama-server"  # the plain lane's name; a speculative lane is named by its --spec-type, or `draft`
 # llama.cpp's self-speculative types (common/speculative.cpp), each a lane behind --spec-type
 SPEC_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
-DEFAULT_SPEC_TYPES = ("ngram-mod", "ngram-map-k")  # the ones best at their defaults in smoke runs (docs/bench.md)
+# the fastest at their defaults in a 2-core trial: ngram-mod greedy, ngram-map-k sampled (docs/bench.md)
+DEFAULT_SPEC_TYPES = ("ngram-mod", "ngram-map-k")
 DRAFT = "draft"  # the lane of -md DRAFT (--draft-model)
 BUILDER = Path(__file__).resolve().parents[2] / "tools" / "build_llama_server.py"  # in a source checkout
 ENV_BINARY = "SPECEE_LLAMA_SERVER"
