@@ -228,10 +228,10 @@ def run_interleaved(prompts: Sequence[Sequence[int]], vanilla: VanillaLane, spec
     steps = vanilla.max_tokens - 1
     for prompt in prompts:
         vanilla.start(prompt)
-        for lane in fed:
-            lane.start(prompt)
         for i in live():
             guarded(i, lambda: specee[i].start(prompt))
+        for lane in fed:
+            lane.start(prompt)
         for done in range(steps):
             token = vanilla.next_input()
             busy = token is not None
