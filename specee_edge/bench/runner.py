@@ -169,6 +169,19 @@ class SpecEELane:
         return [r for records in self.records for r in records[1:]]
 
 
+class Lane(Protocol):
+    """A lane that decodes on its own (SpecEE, the peer, a llama-server): start a prompt, then step until False."""
+
+    timing: Timing
+    outputs: list[list[int]]
+
+    def start(self, prompt: Sequence[int]) -> None: ...
+
+    def step(self) -> bool: ...
+
+    def end(self) -> None: ...
+
+
 class FedLane(Protocol):
     """A lane that decodes the tokens vanilla produced (teacher forcing): the cost lanes."""
 
@@ -179,15 +192,18 @@ class FedLane(Protocol):
     def step(self, token: int) -> None: ...
 
 
-def run_interleaved(prompts: Sequence[Sequence[int]], vanilla: VanillaLane, specee: Sequence[SpecEELane | PeerLane],
+def run_interleaved(prompts: Sequence[Sequence[int]], vanilla: VanillaLane, specee: Sequence[Lane],
                     fed: Sequence[FedLane], advance: Callable[[int], None] = lambda n: None,
-                    workers: tuple[Endpoint, ...] = ()) -> None:
+                    workers: tuple[Endpoint, ...] = ()) -> dict[int, str]:
     """Decode every prompt with every lane, token by token in turns; `advance` counts steps. The fed lanes
     (the cost lanes) step in a new random order at each token, as calibration's do (runtime/costs.py).
-    workers: the RPC workers the lanes' layers live on; each lane's timing counts the replies its steps waited for."""
+    workers: the RPC workers the lanes' layers live on; each lane's timing counts the replies its steps waited for.
+    A lane of `specee` that raises (a peer's bug, a server that died) is dropped and the others go on: returns
+    those lanes, by index, each with its error in one line."""
     order = np.random.default_rng(0)
+    failed: dict[int, str] = {}
 
-    def counted(lane: VanillaLane | SpecEELane | PeerLane | FedLane, *token: int):
+    def counted(lane: Lane | VanillaLane | FedLane, *token: int):
         if not workers:
             return lane.step(*token)
         before = rpc.replies(workers)
@@ -195,23 +211,46 @@ def run_interleaved(prompts: Sequence[Sequence[int]], vanilla: VanillaLane, spec
         lane.timing.replies += rpc.replies(workers) - before
         return result
 
+    def guarded(i: int, call: Callable[[], bool | None]) -> bool:
+        try:
+            return bool(call())
+        except Exception as e:  # noqa: BLE001 - any lane's error drops that lane only
+            failed[i] = one_line(e)
+            try:
+                specee[i].end()
+            except Exception:  # noqa: BLE001 - its clean-up may fail the same way
+                pass
+            return False
+
+    def live() -> list[int]:
+        return [i for i in range(len(specee)) if i not in failed]
+
     steps = vanilla.max_tokens - 1
     for prompt in prompts:
         vanilla.start(prompt)
-        for lane in (*specee, *fed):
+        for i in live():
+            guarded(i, lambda: specee[i].start(prompt))
+        for lane in fed:
             lane.start(prompt)
         for done in range(steps):
             token = vanilla.next_input()
             busy = token is not None
             if busy:
                 counted(vanilla, token)
-                for i in order.permutation(len(fed)):
-                    counted(fed[i], token)
-            for lane in specee:
-                busy |= counted(lane)
+                for j in order.permutation(len(fed)):
+                    counted(fed[j], token)
+            for i in live():
+                busy |= guarded(i, lambda: counted(specee[i]))
             if not busy:
                 advance(steps - done)
                 break
             advance(1)
-        for lane in specee:
-            lane.end()
+        for i in live():
+            guarded(i, lambda: specee[i].end())
+    return failed
+
+
+def one_line(error: BaseException) -> str:
+    """An error as one line: its type and its message's first line."""
+    message = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {message[0]}" if message else type(error).__name__

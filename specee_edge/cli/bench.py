@@ -56,7 +56,7 @@ def bench(
     hf_repo: HfRepo = None,
     hf_file: HfFile = None,
     pack: Annotated[str | None, typer.Option("--pack", help="pack (default: MODEL.specee.gguf beside the model, else the shipped one)")] = None,
-    prompts: Annotated[str, typer.Option("--prompts", help="chat, code, math, summarize, edit, all, or a .jsonl file")] = "all",
+    prompts: Annotated[str, typer.Option("--prompts", help="chat, code, math, summarize, edit; Spec-Bench's multi-turn, translation, summarization, qa, math-reasoning, rag (spec-bench: those six); all; or a .jsonl file")] = "all",
     num_prompts: Annotated[int, typer.Option("-p", "--num-prompts", help="prompts to run, in turns from each category (0: all)")] = 8,
     tokens: Annotated[int, typer.Option("-n", "--tokens", help="tokens generated per prompt")] = 96,
     kv_mode: Annotated[str | None, typer.Option("--kv-mode", help="mask, fill, full, or all (default: the engine's)")] = None,
@@ -75,6 +75,16 @@ def bench(
     sampled: Annotated[bool, typer.Option("--sampled/--greedy-only", help="also decode with chat's default sampling (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05), seeded per prompt")] = True,
     peer: Annotated[bool, typer.Option("--peer/--no-peer", help="a lane of llama-cpp-python's own speculative decoding with prompt lookup (num_pred_tokens=2)")] = True,
     lookup_lane: Annotated[bool, typer.Option("--lookup-lane/--no-lookup-lane", help="a lane of exact mode without the pack: prompt-lookup drafts only, what any GGUF gets")] = True,
+    llama_server: Annotated[bool, typer.Option("--llama-server/--no-llama-server", help=(
+        "lanes of llama.cpp's own llama-server (plain: the baseline of every speed-up; and its speculation), built "
+        "from the runtime's vendored llama.cpp on first use (cached)"))] = True,
+    llama_server_path: Annotated[Path | None, typer.Option("--llama-server-bin", help="run this llama-server program "
+                                                           "instead of the cached build (or set SPECEE_LLAMA_SERVER)")] = None,
+    spec_type: Annotated[str | None, typer.Option("--spec-type", show_default=False, help=(
+        "llama-server's self-speculative types, a lane each: a comma list of ngram-mod, ngram-simple, ngram-map-k, "
+        "ngram-map-k4v, ngram-cache; all; or none (default: ngram-mod,ngram-map-k)"))] = None,
+    draft_model: Annotated[Path | None, typer.Option("--draft-model", "-md", help="a small model with the same "
+                                                     "vocabulary: a llama-server lane with -md DRAFT")] = None,
     seed: Annotated[int, typer.Option("-s", "--seed", help="the sampled pass's seed: prompt i draws from seed + i in every lane")] = 0,
     json_path: Annotated[Path | None, typer.Option("--json", help="write the results as JSON here")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="write a PNG here: speedup against agreement and perplexity, the exit layers")] = None,
@@ -82,6 +92,7 @@ def bench(
     """Decode the same prompts with vanilla llama.cpp and SpecEE, interleaved: speed, oracle bound, quality."""
     from specee_edge.bench import BenchConfig, plot_bench, run_bench
     from specee_edge.bench.run import NO_PACK
+    from specee_edge.bench.llama_server import LlamaServerError, find_binary, parse_spec_types
     from specee_edge.engine import AUTO, DEFAULT_KV_MODE
     from specee_edge.threads import default_threads
     from specee_edge.pull import resolve_model
@@ -93,10 +104,21 @@ def bench(
         if mode != "all" and mode not in KV_MODES:
             raise SpecEEError(f"unknown KV mode {mode!r}: choose {', '.join(KV_MODES)} or all")
         set_placement(rpc_workers, n_gpu_layers, tensor_split, rpc_timeout)
+        spec_types = parse_spec_types(spec_type)
+        if draft_model is not None and not draft_model.is_file():
+            raise SpecEEError(f"no draft model at {draft_model}")
+        server, dropped = None, []
+        if llama_server:
+            try:
+                server = find_binary(llama_server_path)  # before the progress bars: a build shows its own
+            except LlamaServerError as e:
+                dropped.append(f"llama-server: {e}")
+                err_console.print(f"[yellow]llama-server lanes dropped:[/] {e}", highlight=False)
         config = BenchConfig(
             model=resolve_model(pick_model(model, None, hf_repo, hf_file)), pack=pack or AUTO, prompt_set=prompts, num_prompts=num_prompts,
             tokens=tokens, kv_modes=modes, threads=threads or default_threads(), quality=quality, threshold=threshold,
-            ppl_tokens=ppl_tokens, python_policy=python_policy, sampled=sampled, peer=peer, lookup_lane=lookup_lane, seed=seed, command=" ".join(["specee-edge", *sys.argv[1:]]),
+            ppl_tokens=ppl_tokens, python_policy=python_policy, sampled=sampled, peer=peer, lookup_lane=lookup_lane, seed=seed,
+            llama_server=server, spec_types=spec_types, draft_model=draft_model, dropped=dropped, command=" ".join(["specee-edge", *sys.argv[1:]]),
         )
         columns = (TextColumn("{task.description:>9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=err_console, transient=True, auto_refresh=False) as progress:

@@ -43,15 +43,23 @@ def load_prompts(path: str | Path | None = None) -> list[Prompt]:
     return _read_jsonl(path.read_text(encoding="utf-8"), str(path), "category")
 
 
+# Spec-Bench's six categories (Xia et al. 2024), as the built-in sets name them. Summaries, question answering and
+# retrieval run over real text shipped with this machine's packages and Python (each row names its source).
+SPEC_BENCH = ("multi-turn", "translation", "summarization", "qa", "math-reasoning", "rag")
+
+
 def bench_prompts(name_or_path: str) -> list[Prompt]:
-    """A built-in bench set (chat, code, math, summarize, edit, or all) or a JSONL file."""
+    """A built-in bench set (chat, code, math, summarize, edit, one of SPEC_BENCH, spec-bench for those six, or
+    all) or a JSONL file."""
     if Path(name_or_path).suffix == ".jsonl":
         return load_prompts(name_or_path)
     rows = _read_jsonl(files(__package__).joinpath("bench_prompts.jsonl").read_text(), "bench_prompts.jsonl", "set")
     sets = sorted({p.category for p in rows})
-    if name_or_path != "all" and name_or_path not in sets:
-        raise SpecEEError(f"unknown prompt set {name_or_path!r}: choose {', '.join(sets)}, all, or a .jsonl file")
-    return [p for p in rows if name_or_path in ("all", p.category)]
+    if name_or_path not in ("all", "spec-bench", *sets):
+        raise SpecEEError(f"unknown prompt set {name_or_path!r}: choose {', '.join(sets)}, spec-bench, all, "
+                          "or a .jsonl file")
+    chosen = SPEC_BENCH if name_or_path == "spec-bench" else sets if name_or_path == "all" else (name_or_path,)
+    return [p for p in rows if p.category in chosen]
 
 
 def heldout_text() -> str:

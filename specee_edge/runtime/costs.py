@@ -81,6 +81,14 @@ class Timing:
             self.by_prompt[-1][0] += 1
             self.by_prompt[-1][1] += seconds
 
+    def add_span(self, steps: int, seconds: float) -> None:
+        """Many steps timed together (a llama-server answer: its own timings)."""
+        self.steps += steps
+        self.seconds += seconds
+        if self.by_prompt:
+            self.by_prompt[-1][0] += steps
+            self.by_prompt[-1][1] += seconds
+
     def tok_s_on(self, prompts: Sequence[int]) -> float:
         """Tokens per second over the given prompts (indices in the order they were begun)."""
         steps = sum(self.by_prompt[i][0] for i in prompts)

@@ -1,0 +1,244 @@
+"""llama.cpp's own llama-server as bench lanes: plain decoding (the bench's baseline) and its self-speculation.
+
+Each lane is one server on a free loopback port, started with the bench's model, threads, context and batch size.
+A prompt is sent as token ids (/completion with a token array: no chat template can differ) with the lane's
+sampling and the prompt's seed; the prompt cache is off, so every request decodes its prompt afresh as the other
+lanes do. Decode speed is read from the response's `timings`: predicted_ms spans the first token (sampled from
+the prompt pass) to the last, so a prompt's decode steps are predicted_n - 1, as the other lanes count them. The
+server's time includes its sampling and its per-token bookkeeping, which the Python lanes leave out of theirs.
+
+The binary comes from tools/build_llama_server.py (the runtime's vendored llama.cpp, its flags; cached), or from
+--llama-server PATH / SPECEE_LLAMA_SERVER.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specee_edge.bench.runner import prompt_sampling
+from specee_edge.engine.sampling import GREEDY, SamplingParams
+from specee_edge.errors import SpecEEError
+from specee_edge.runtime.costs import Timing
+
+PLAIN = "llama-server"  # the plain lane's name; a speculative lane is named by its --spec-type, or `draft`
+# llama.cpp's self-speculative types (common/speculative.cpp), each a lane behind --spec-type
+SPEC_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
+# the fastest at their defaults in a 2-core trial: ngram-mod greedy, ngram-map-k sampled (docs/bench.md)
+DEFAULT_SPEC_TYPES = ("ngram-mod", "ngram-map-k")
+DRAFT = "draft"  # the lane of -md DRAFT (--draft-model)
+BUILDER = Path(__file__).resolve().parents[2] / "tools" / "build_llama_server.py"  # in a source checkout
+ENV_BINARY = "SPECEE_LLAMA_SERVER"
+BUILD_MINUTES = "about 30 minutes"  # 40 min measured on a loaded 2-core VM (docs/bench.md)
+START_TIMEOUT_S = 120.0
+REQUEST_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 5.0
+
+
+class LlamaServerError(Exception):
+    """A llama-server that could not be built, started or asked; its message is one line."""
+
+
+def find_binary(explicit: Path | None = None, build: bool = True) -> Path:
+    """The llama-server to run: `explicit`, else $SPECEE_LLAMA_SERVER, else the cached build (built first when
+    `build`, its progress on this terminal). Raises LlamaServerError with one line on failure."""
+    named = explicit or (Path(os.environ[ENV_BINARY]) if os.environ.get(ENV_BINARY) else None)
+    if named is not None:
+        if not named.is_file() or not os.access(named, os.X_OK):
+            raise LlamaServerError(f"no llama-server program at {named}")
+        return named
+    if not BUILDER.is_file():
+        raise LlamaServerError(f"no llama-server: pass --llama-server PATH or set {ENV_BINARY} (building it needs a "
+                               "source checkout's tools/build_llama_server.py)")
+    found = subprocess.run([sys.executable, str(BUILDER), "--print-path"], capture_output=True, text=True)
+    path = Path(found.stdout.strip().splitlines()[-1]) if found.stdout.strip() else None
+    if found.returncode != 0 and build:
+        print(f"building llama-server from the runtime's llama.cpp: once, cached; {BUILD_MINUTES} on 2 cores",
+              file=sys.stderr, flush=True)
+        built = subprocess.run([sys.executable, str(BUILDER)], stdout=subprocess.PIPE, text=True)  # progress on stderr's tty
+        path = Path(built.stdout.strip().splitlines()[-1]) if built.returncode == 0 and built.stdout.strip() else None
+        if path is None:
+            raise LlamaServerError(f"building llama-server failed (exit {built.returncode}): see the log named above")
+    if path is None or not path.is_file():
+        raise LlamaServerError("llama-server is not built: run tools/build_llama_server.py")
+    return path
+
+
+def free_port() -> int:
+    """A loopback port free now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerSetup:
+    """What every lane's server shares: the bench's model, threads, context and batch size."""
+
+    binary: Path
+    model: Path
+    threads: int
+    n_ctx: int
+    n_batch: int = 512  # llama-cpp-python's Llama default, which the bench's other lanes use
+
+    def args(self, port: int, extra: Sequence[str]) -> list[str]:
+        return [str(self.binary), "-m", str(self.model), "-t", str(self.threads), "-tb", str(self.threads),
+                "-c", str(self.n_ctx), "-b", str(self.n_batch), "-ub", str(self.n_batch), "-np", "1",
+                "--host", "127.0.0.1", "--port", str(port), *extra]
+
+
+def lane_args(name: str, draft_model: Path | None = None) -> list[str]:
+    """The extra llama-server flags of a lane."""
+    if name == PLAIN:
+        return []
+    if name == DRAFT:
+        if draft_model is None:
+            raise LlamaServerError("the draft lane needs --draft-model")
+        return ["-md", str(draft_model)]
+    if name not in SPEC_TYPES:
+        raise LlamaServerError(f"unknown --spec-type {name!r}: choose from {', '.join(SPEC_TYPES)}")
+    return ["--spec-type", name]
+
+
+def parse_spec_types(spec: str | None) -> list[str]:
+    """--spec-type: None the defaults, `all`, `none`, or a comma list of llama.cpp's names."""
+    if spec is None:
+        return list(DEFAULT_SPEC_TYPES)
+    spec = spec.strip().lower()
+    if spec in ("all", "none"):
+        return list(SPEC_TYPES) if spec == "all" else []
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SPEC_TYPES]
+    if unknown:
+        raise SpecEEError(f"unknown --spec-type {', '.join(unknown)}: choose from {', '.join(SPEC_TYPES)}, all or none")
+    return names
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    steps: int             # decode steps: predicted_n - 1 (the first token comes from the prompt pass)
+    seconds: float         # predicted_ms
+    drafted: int = 0       # draft_n
+    accepted: int = 0      # draft_n_accepted
+
+
+class LlamaServer:
+    """One llama-server process; a context manager that stops it (terminate, then kill) however the block ends."""
+
+    def __init__(self, setup: ServerSetup, extra: Sequence[str] = ()):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+        self.log_path = Path(self.log.name)
+        self.keep_log = False  # a server that failed keeps its log, which its error line names
+        self.proc = subprocess.Popen(setup.args(self.port, extra), stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise LlamaServerError(f"llama-server exited ({self.proc.returncode}) while starting: "
+                                       f"{self.last_log_line()} (log: {self.log_path})")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.1)
+        self.keep_log = True
+        raise LlamaServerError(f"llama-server did not start within {START_TIMEOUT_S:.0f} s (log: {self.log_path})")
+
+    def last_log_line(self) -> str:
+        self.keep_log = True
+        lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
+        return lines[-1].strip() if lines else "no output"
+
+    def complete(self, prompt: Sequence[int], n_predict: int, sampling: SamplingParams) -> Completion:
+        """Decode up to n_predict tokens after the prompt's token ids."""
+        body = {"prompt": list(map(int, prompt)), "n_predict": n_predict, "cache_prompt": False,
+                "return_tokens": True, "stream": False, "seed": sampling.seed or 0,
+                "temperature": max(sampling.temperature, 0.0), "top_k": sampling.top_k, "top_p": sampling.top_p,
+                "min_p": sampling.min_p, "repeat_penalty": sampling.repeat_penalty,
+                "repeat_last_n": sampling.repeat_last_n, "frequency_penalty": sampling.frequency_penalty,
+                "presence_penalty": sampling.presence_penalty}
+        request = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
+                answer = json.load(reply)
+        except urllib.error.HTTPError as e:
+            self.keep_log = True
+            raise LlamaServerError(f"llama-server answered {e.code}: {e.read().decode(errors='replace')[:200]}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            raise LlamaServerError(f"llama-server did not answer ({e}); {self.last_log_line()} "
+                                   f"(log: {self.log_path})") from None
+        timings = answer.get("timings", {})
+        return Completion(tokens=[int(t) for t in answer.get("tokens", [])],
+                          steps=max(int(timings.get("predicted_n", 0)) - 1, 0),
+                          seconds=float(timings.get("predicted_ms", 0.0)) / 1e3,
+                          drafted=int(timings.get("draft_n", 0)), accepted=int(timings.get("draft_n_accepted", 0)))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        if not self.keep_log:
+            self.log_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> LlamaServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@dataclass
+class ServerLane:
+    """A llama-server lane for run_interleaved: start() decodes the whole answer in one request (the lanes still
+    take turns prompt by prompt); step() has nothing left to do. The prompt's sampling is the bench's."""
+
+    name: str
+    server: LlamaServer
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=lambda: GREEDY)
+    timing: Timing = field(default_factory=Timing)
+    outputs: list[list[int]] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self.timing.begin_prompt()
+        done = self.server.complete(prompt, self.max_tokens, prompt_sampling(self.sampling, len(self.outputs)))
+        self.outputs.append(done.tokens)
+        self.timing.add_span(done.steps, done.seconds)
+        self.drafted += done.drafted
+        self.accepted += done.accepted
+
+    def step(self) -> bool:
+        return False
+
+    def end(self) -> None:
+        pass

@@ -1,0 +1,133 @@
+"""llama.cpp's llama-server as bench lanes (specee_edge/bench/llama_server.py), on the real program built from the
+runtime's vendored llama.cpp (tools/build_llama_server.py; the first run builds it), and the bench's lanes that
+fail: dropped with one line, never the whole run."""
+
+from __future__ import annotations
+
+import json
+import re
+import tarfile
+
+import pytest
+from llama_cpp import Llama
+from typer.testing import CliRunner
+
+from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, PLAIN, SPEC_TYPES, LlamaServer, LlamaServerError,
+                                            ServerLane, ServerSetup, find_binary, parse_spec_types)
+from specee_edge.bench.report import LLAMA_CPP_PYTHON
+from specee_edge.bench.runner import PeerLane, VanillaLane, run_interleaved
+from specee_edge.cli import app
+from specee_edge.default_model import default_model_path
+from specee_edge.engine import GREEDY
+from specee_edge.errors import SpecEEError
+from tests.conftest import load_tool, tiny_model_path
+
+PROMPTS, TOKENS = 2, 8
+
+
+def test_spec_types_are_the_vendored_llama_cpps(monkeypatch):
+    """Every lane's --spec-type is one the vendored llama.cpp knows, and every n-gram type it knows is a lane."""
+    build_runtime = load_tool("build_runtime", monkeypatch)
+    sdist = build_runtime.fetch_sdist(build_runtime.cache_root() / "sdist")
+    with tarfile.open(sdist) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith("vendor/llama.cpp/common/speculative.cpp"))
+        source = tar.extractfile(member).read().decode()
+    known = set(re.findall(r'\{"(ngram-[a-z0-9-]+)",\s*COMMON_SPECULATIVE_TYPE_', source))
+    assert known == set(SPEC_TYPES)
+    assert set(DEFAULT_SPEC_TYPES) <= known
+
+
+def test_spec_types_flag():
+    assert parse_spec_types(None) == list(DEFAULT_SPEC_TYPES)
+    assert parse_spec_types("all") == list(SPEC_TYPES) and parse_spec_types("none") == []
+    assert parse_spec_types("ngram-cache, ngram-simple") == ["ngram-cache", "ngram-simple"]
+    with pytest.raises(SpecEEError, match="unknown --spec-type ngram-nope"):
+        parse_spec_types("ngram-mod,ngram-nope")
+
+
+def test_a_lane_that_raises_is_dropped_and_the_others_finish(tiny_dir):
+    """A peer's bug: llama-cpp-python sizes Llama's token and logit arrays by the n_ctx asked for, while llama.cpp
+    pads its context to 256, so a prompt between the two passes llama_decode and breaks Llama.eval (`could not
+    broadcast`, as prompt lookup's lane does on long RAG prompts). The run drops that lane only."""
+    model = str(tiny_model_path(tiny_dir, "llama"))
+    tokens = 8
+    prompt = [0] + [10, 11, 12, 13] * 25  # 101 tokens: more than the peer's 64, less than llama.cpp's 256
+    llm = Llama(model_path=model, n_ctx=256, n_threads=1, verbose=False)
+    vanilla = VanillaLane(llm, tokens, lambda t: False)
+    peer = PeerLane(model, 64, 1, tokens, lambda t: False)
+    try:
+        failed = run_interleaved([prompt] * 2, vanilla, [peer], [])
+    finally:
+        peer.close()
+        llm.close()
+    assert list(failed) == [0] and "\n" not in failed[0]
+    assert failed[0].startswith("ValueError: could not broadcast"), failed[0]
+    assert [len(answer) for answer in vanilla.outputs] == [tokens, tokens]  # the other lane answered both prompts
+
+
+@pytest.fixture(scope="module")
+def binary():
+    """The cached llama-server. Building it takes longer than the rest of `make test` (docs/bench.md), so these
+    tests run where it is built (`make llama-server`, `make test-llama-server`) and are skipped elsewhere."""
+    try:
+        return find_binary(build=False)
+    except LlamaServerError as e:
+        pytest.skip(f"{e} (make llama-server builds it)")
+
+
+@pytest.fixture(scope="module")
+def setup(binary) -> ServerSetup:
+    return ServerSetup(binary, default_model_path(), threads=2, n_ctx=512)
+
+
+def test_plain_server_answers_as_llama_does(setup):
+    """The same token ids greedy: llama-server's answers are llama-cpp-python's, and its timings count the steps."""
+    llm = Llama(model_path=str(setup.model), n_ctx=setup.n_ctx, n_threads=2, verbose=False)
+    prompts = [llm.tokenize(text.encode()) for text in ("The capital of France is", "def fibonacci(n):")]
+    vanilla = VanillaLane(llm, TOKENS, lambda t: t == llm.token_eos())
+    with LlamaServer(setup) as server:
+        lane = ServerLane(PLAIN, server, TOKENS, GREEDY)
+        assert run_interleaved(prompts, vanilla, [lane], []) == {}
+    llm.close()
+    assert server.proc.poll() is not None  # stopped on leaving the block
+    assert lane.outputs == vanilla.outputs
+    assert lane.timing.steps == sum(len(answer) - 1 for answer in lane.outputs) and lane.timing.tok_s > 0
+    assert lane.drafted == 0
+
+
+def test_server_stops_when_the_block_raises(setup):
+    with pytest.raises(KeyboardInterrupt):
+        with LlamaServer(setup) as server:
+            raise KeyboardInterrupt
+    assert server.proc.poll() is not None
+
+
+def test_a_server_that_cannot_start_is_one_line(setup, tmp_path):
+    not_a_model = tmp_path / "draft.gguf"
+    not_a_model.write_text("not a gguf")
+    with pytest.raises(LlamaServerError) as error:
+        LlamaServer(setup, ["-md", str(not_a_model)])
+    assert "\n" not in str(error.value) and "exited" in str(error.value)
+
+
+def test_bench_against_llama_server(binary, tmp_path):
+    """A bench with llama-server plain (the baseline), a speculative type and a draft lane that cannot start:
+    that lane is one line, the rest runs, greedy and sampled, every speed-up against llama-server plain."""
+    not_a_model = tmp_path / "draft.gguf"
+    not_a_model.write_text("not a gguf")
+    args = ["bench", "-p", str(PROMPTS), "-n", str(TOKENS), "-t", "2", "--ppl-tokens", "32", "--no-peer",
+            "--no-lookup-lane", "--spec-type", "ngram-mod", "--draft-model", str(not_a_model),
+            "--llama-server-bin", str(binary), "--json", str(tmp_path / "bench.json")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["baseline"] == data["baseline_sampled"] == PLAIN
+    assert set(data["tools"]) == {PLAIN, "ngram-mod", LLAMA_CPP_PYTHON}
+    for lane in data["tools"].values():
+        assert lane["tok_s"] > 0 and lane["tok_s_sampled"] > 0
+    plain = data["tools"][PLAIN]
+    assert plain["speedup"] == plain["speedup_sampled"] == 1.0 and plain["identical"] == 1.0
+    assert data["speedup"] == pytest.approx(data["specee_tok_s"] / plain["tok_s"])
+    assert data["tools"][LLAMA_CPP_PYTHON]["speedup"] == pytest.approx(data["vanilla_tok_s"] / plain["tok_s"])
+    assert len(data["dropped"]) == 1 and data["dropped"][0].startswith("draft: llama-server exited")
+    assert "decode speed against llama.cpp" in result.output
