@@ -174,9 +174,10 @@ def copy_sources(llama_dir: Path) -> None:
         shutil.copyfile(source, llama_dir / source_destination(source.name) / source.name)
 
 
-def compute_key(cmake_args: str, patches: list[Path], python: bool = True) -> str:
+def compute_key(cmake_args: str, patches: list[Path], python: bool = True, ours: bool = True) -> str:
     """Hash everything that determines the build into a cache key (python: the wheel's Python tag too; a
-    program such as llama-server does not depend on it)."""
+    program such as llama-server does not depend on it; ours: our sources and patches too, which a program that
+    never calls the specee API, such as llama-server, runs with every hook idle: any patch set builds it alike)."""
     digest = hashlib.sha256()
 
     def add(label: str, data: bytes) -> None:
@@ -185,10 +186,10 @@ def compute_key(cmake_args: str, patches: list[Path], python: bool = True) -> st
         digest.update(data)
 
     add("version", LLAMA_CPP_PYTHON_VERSION.encode())
-    for source in source_files():
+    for source in source_files() if ours else ():
         add("source-name", source.name.encode())
         add("source-bytes", source.read_bytes())
-    for patch in patches:
+    for patch in patches if ours else ():
         add("patch-name", patch.name.encode())
         add("patch-bytes", patch.read_bytes())
     add("cmake", cmake_args.encode())

@@ -91,10 +91,14 @@ def write_two_level_pack(path: Path) -> Path:
 
 
 BROWSER_MISSING = "no chromium/chromedriver (Debian: apt-get install chromium chromium-driver)"
+LLAMA_SERVER_MISSING = "make llama-server builds it"
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """A skipped browser test is said loudly at the end: the chat page went untested on this machine."""
-    skipped = [report for report in terminalreporter.stats.get("skipped", []) if BROWSER_MISSING in str(report.longrepr)]
-    if skipped:
-        terminalreporter.write_sep("!", f"the chat page was NOT tested in a browser: {BROWSER_MISSING}", red=True, bold=True)
+    """Tests skipped for a missing program are said loudly at the end: what went untested on this machine."""
+    reasons = [str(report.longrepr) for report in terminalreporter.stats.get("skipped", [])]
+    for needle, what in ((BROWSER_MISSING, f"the chat page was NOT tested in a browser: {BROWSER_MISSING}"),
+                         (LLAMA_SERVER_MISSING, "the bench's llama-server lanes were NOT tested: llama-server is not"
+                                                f" built ({LLAMA_SERVER_MISSING}, once: 20-40 minutes on 2 cores)")):
+        if any(needle in reason for reason in reasons):
+            terminalreporter.write_sep("!", what, red=True, bold=True)

@@ -20,7 +20,7 @@ from specee_edge.cli import app
 from specee_edge.default_model import default_model_path
 from specee_edge.engine import GREEDY
 from specee_edge.errors import SpecEEError
-from tests.conftest import load_tool, tiny_model_path
+from tests.conftest import LLAMA_SERVER_MISSING, load_tool, tiny_model_path
 
 PROMPTS, TOKENS = 2, 8
 
@@ -72,7 +72,7 @@ def binary():
     try:
         return find_binary(build=False)
     except LlamaServerError as e:
-        pytest.skip(f"{e} (make llama-server builds it)")
+        pytest.skip(f"{e} ({LLAMA_SERVER_MISSING})")
 
 
 @pytest.fixture(scope="module")
