@@ -313,8 +313,11 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
         for i, lane in enumerate(lanes)
     ]
     reference.close()
-    # the replay drafts as the first engine does (its pack's lookup length, its model's ends of generation)
+    # the replay drafts as the first engine does (its pack's lookup length, its model's ends of generation): before
+    # the engines and their models are closed
     replay = lambda outputs: replay_by_category(prompts, outputs, categories, first.model.is_eog, first.lookup_max_n)
+    lookup_replay = replay(vanilla.outputs)
+    lookup_replay_sampled = replay(vanilla_sampled.outputs) if vanilla_sampled else {}
     for _, engine in engines:
         engine.close()
     return BenchResult(
@@ -336,8 +339,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
         looping_answers=len(repeated) - len(no_loop),
         repetition_sampled_by_category=by_category(repeated_sampled, categories) if vanilla_sampled else {},
         looping_answers_sampled=sum(share >= LOOP_SHARE for share in repeated_sampled),
-        lookup_replay=replay(vanilla.outputs),
-        lookup_replay_sampled=replay(vanilla_sampled.outputs) if vanilla_sampled else {},
+        lookup_replay=lookup_replay, lookup_replay_sampled=lookup_replay_sampled,
         seconds=time.perf_counter() - start, command=config.command, rpc=rpc_result,
     )
 
