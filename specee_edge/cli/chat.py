@@ -97,8 +97,8 @@ class EngineOptions:
     early_exit: bool
     rpc: str | None = None
     tensor_split: str | None = None
-    speculation: str = "auto"
     rpc_timeout: float = RPC_TIMEOUT_S
+    speculation: str = "auto"
 
 
 def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str, str | None]:
