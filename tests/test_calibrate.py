@@ -15,7 +15,7 @@ from specee_edge.calibrate.draft_fit import draft_vocabulary
 from specee_edge.calibrate.exact import speedup_of
 from specee_edge.calibrate.pipeline import interleaved, split_answered
 from specee_edge.calibrate.temperature import fit_temperatures
-from specee_edge.data.prompts import CALIBRATION_SPLIT, bench_prompts, load_prompts, split
+from specee_edge.data.prompts import CALIBRATION_SPLIT, SPEC_BENCH, bench_prompts, load_prompts, split
 from specee_edge.cli import app
 from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.errors import SpecEEError
@@ -161,7 +161,8 @@ def test_built_in_prompt_sets():
     prompts = load_prompts()
     assert len(prompts) >= 100
     assert {p.category for p in prompts} >= {"chat", "explain", "code", "math", "summarize"}
-    assert {p.category for p in bench_prompts("all")} == {"chat", "code", "math", "summarize", "edit"}
+    assert {p.category for p in bench_prompts("all")} == {"chat", "code", "math", "summarize", "edit", *SPEC_BENCH}
+    assert {p.category for p in bench_prompts("spec-bench")} == set(SPEC_BENCH)
     with pytest.raises(SpecEEError, match="unknown prompt set"):
         bench_prompts("poetry")
 

@@ -12,6 +12,7 @@ import pytest
 from llama_cpp import Llama
 from typer.testing import CliRunner
 
+from specee_edge import build_runtime
 from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, PLAIN, SPEC_TYPES, LlamaServer, LlamaServerError,
                                             ServerLane, ServerSetup, find_binary, parse_spec_types)
 from specee_edge.bench.report import LLAMA_CPP_PYTHON
@@ -20,14 +21,13 @@ from specee_edge.cli import app
 from specee_edge.default_model import default_model_path
 from specee_edge.engine import GREEDY
 from specee_edge.errors import SpecEEError
-from tests.conftest import LLAMA_SERVER_MISSING, load_tool, tiny_model_path
+from tests.conftest import LLAMA_SERVER_MISSING, tiny_model_path
 
 PROMPTS, TOKENS = 2, 8
 
 
-def test_spec_types_are_the_vendored_llama_cpps(monkeypatch):
+def test_spec_types_are_the_vendored_llama_cpps():
     """Every lane's --spec-type is one the vendored llama.cpp knows, and every n-gram type it knows is a lane."""
-    build_runtime = load_tool("build_runtime", monkeypatch)
     sdist = build_runtime.fetch_sdist(build_runtime.cache_root() / "sdist")
     with tarfile.open(sdist) as tar:
         member = next(m for m in tar.getmembers() if m.name.endswith("vendor/llama.cpp/common/speculative.cpp"))
