@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -21,6 +22,17 @@ from tests.tiny_gguf import TinyConfig, write_tiny_model
 SHIPPED_PACK = shipped_dir() / "SmolLM2-135M-Instruct.Q4_1.specee.gguf"
 LOOSE, STRICT = 0.9, 0.99  # the quality levels of write_two_level_pack
 CHAT_PROMPT = "<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def project_copy(src: Path) -> Path:
+    """What a package build reads of the project (pyproject, README, the package, models/, patches/), copied to `src`."""
+    root = Path(__file__).resolve().parents[1]
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    for name in ("specee_edge", "models", "patches"):
+        shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return src
 
 
 def load_tool(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:

@@ -5,7 +5,6 @@ the patched runtime gets one line saying what to run."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -13,6 +12,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import project_copy
 
 from specee_edge import build_runtime
 from specee_edge.default_model import default_model_path
@@ -71,12 +72,7 @@ def test_a_libllama_without_the_patch_api_is_one_line(tmp_path):
 
 def build_sdist(tmp_path: Path) -> Path:
     """What `python -m build --sdist` makes: setuptools' PEP 517 hook, on a copy of the sources."""
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    for name in ("specee_edge", "models", "patches"):
-        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    src = project_copy(tmp_path / "src")
     result = subprocess.run([sys.executable, "-c", "from setuptools import build_meta as b;"
                              f" print(b.build_sdist({str(tmp_path / 'dist')!r}))"],
                             cwd=src, capture_output=True, text=True, timeout=120)

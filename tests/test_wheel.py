@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from specee_edge.build_runtime import PATCH_DIR
 from specee_edge.shipped import shipped_dir
+from tests.conftest import project_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,12 +21,7 @@ def build_package(tmp_path: Path) -> Path:
     `build_py` is the step of a wheel build that gathers them; bdist_wheel then zips its output. It
     needs no `wheel` package and no index (this project's venv has neither a build frontend nor `wheel`).
     """
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    for name in ("specee_edge", "models", "patches"):
-        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    src = project_copy(tmp_path / "src")
     lib = tmp_path / "lib"
     result = subprocess.run([sys.executable, "-c", "from setuptools import setup; setup()", "-q", "build_py",
                              "--build-lib", str(lib)], cwd=src, capture_output=True, text=True, timeout=120)
