@@ -40,8 +40,10 @@ def free_port() -> int:
 
 
 def start_worker(port: int, host: str = rpc.LOOPBACK) -> subprocess.Popen:
+    # Ctrl+C as at a keyboard: a shell's background job (a test run started with &) inherits SIGINT ignored
     worker = subprocess.Popen([str(CLI), "rpc-worker", "--host", host, "--port", str(port), "--threads", "1"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:  # ggml's own lines sit in a pipe buffer: knock until it listens
         if worker.poll() is not None:
