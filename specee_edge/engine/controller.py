@@ -101,14 +101,12 @@ class RecentCost:
 
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
     measured_at: int = -1  # the controller's round count at the last measurement
-
-    @property
-    def value(self) -> float | None:
-        return statistics.median(self.recent) if self.recent else None
+    value: float | None = None  # the median, kept: every round's plan reads it many times
 
     def add(self, ms: float, at: int = -1) -> None:
         self.recent.append(ms)
         self.measured_at = at
+        self.value = statistics.median(self.recent)
 
 
 @dataclass
