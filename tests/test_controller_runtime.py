@@ -24,6 +24,9 @@ from tests.test_exact import assert_cache_holds_the_reply, exact_pack, prompt_of
 EDIT = ("Rename the variable `tmp` to `total` everywhere in this function and return the whole function:\n\n"
         "def order_total(items, tax_rate):\n    tmp = 0.0\n    for item in items:\n        tmp += item.price * item.quantity\n"
         "    if tmp > 100:\n        tmp = tmp * 0.95\n    tmp = tmp * (1 + tax_rate)\n    return round(tmp, 2)\n")
+# a list the model knows: nothing to copy, and exits at layers that draft it right (5 to 8 of 24 exit drafts
+# accepted, with flash attention on or off)
+PLANETS = "Name the planets of the solar system in order."
 SAMPLED = SamplingParams(seed=3)
 
 
@@ -38,8 +41,8 @@ def engine_on(model_path, knob: str | None, factor: float, pack=None) -> Engine:
             del os.environ[SLOWDOWN_ENV[knob]]
 
 
-def answer(engine: Engine, sampling: SamplingParams, n: int = 64):
-    prompt = prompt_of(engine, EDIT)
+def answer(engine: Engine, sampling: SamplingParams, n: int = 64, question: str = EDIT):
+    prompt = prompt_of(engine, question)
     records = list(engine.stream(prompt, max_tokens=n, sampling=sampling))
     assert_cache_holds_the_reply(engine, prompt, [r.id for r in records])
     engine.reset()
@@ -112,7 +115,8 @@ def test_the_pack_adds_exit_drafts_priced_like_the_rest(default_model, exact_pac
     engine = engine_on(default_model.info.path, "step", 4.0, pack=exact_pack)
     try:
         assert engine.exact and engine.early_exit
-        records, stats = answer(engine, GREEDY)
+        # the edit's answer copies its prompt: lookup drafts win there, and its few exit drafts may all be rejected
+        records, stats = answer(engine, GREEDY, question=PLANETS)
         assert stats.rounds > 0 and stats.exits == 0
         exit_rounds = [r.round for r in records if r.round is not None and r.round.choice == Choice.EXIT]
         assert any(r.drafts for r in exit_rounds), (stats.tokens_by_choice, stats.controller)  # one drafted and verified

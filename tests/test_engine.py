@@ -72,7 +72,7 @@ def test_pack_is_found_beside_or_shipped(engine, tmp_path):
 
 def test_early_exit_off_matches_stock_llama(engine, default_model):
     prompt = default_model.tokenize(CHAT_PROMPT)
-    llm = Llama(model_path=str(default_model.info.path), n_ctx=512, n_threads=2, verbose=False)
+    llm = Llama(model_path=str(default_model.info.path), n_ctx=512, n_threads=2, flash_attn=True, verbose=False)
     stock = []
     for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
         stock.append(token)
@@ -90,9 +90,10 @@ def test_early_exit_off_matches_stock_llama(engine, default_model):
 
 def test_a_seed_samples_the_tokens_stock_llama_samples(engine, default_model):
     """llama.cpp's own sampler chain: with early exit off, chat's default sampling and a seed draw the reply
-    llama-cpp-python's Llama draws with the same settings and seed."""
+    llama-cpp-python's Llama draws with the same settings and seed (and the same attention kernels: the engine's
+    flash attention is auto, on on the CPU)."""
     prompt = default_model.tokenize(CHAT_PROMPT)
-    llm = Llama(model_path=str(default_model.info.path), n_ctx=512, n_threads=2, verbose=False)
+    llm = Llama(model_path=str(default_model.info.path), n_ctx=512, n_threads=2, flash_attn=True, verbose=False)
     engine.set_early_exit(False)
     try:
         for seed in (1, 2, 3):

@@ -44,12 +44,14 @@ def test_hooks_off_match_stock_llama_across_the_window(swa_model):
 def test_cells_reused_after_the_window_moved_on_never_leak_stale_kv(swa_model, mode):
     """With a window cache of 256 cells (swa_full off), 300 tokens make it reuse the cells of tokens that
     left the window: their K/V stay in the layers a reusing token skips. Exiting every other token at
-    layer 0, decoding must match a cache that never reuses a cell (swa_full on: those rows hold zeros)."""
+    layer 0, decoding must match a cache that never reuses a cell (swa_full on: those rows hold zeros).
+    Flash attention off: its F16 accumulation shows the order of the sums at about 3e-3, where a tolerance would
+    blur what is tested; the cells' masking is the same either way."""
     prompt = swa_model.tokenize(TINY_PROMPT)
     continuation = greedy(Context(swa_model, n_threads=1, n_ctx=512), prompt, 300)
 
     def run(swa_full: bool) -> np.ndarray:
-        ctx = Context(swa_model, n_threads=1, n_ctx=512, n_batch=64, swa_full=swa_full)
+        ctx = Context(swa_model, n_threads=1, n_ctx=512, n_batch=64, swa_full=swa_full, flash_attn="off")
         ctx.enable_early_exit(4, mode)
         return forced_exit_run(ctx, prompt, continuation, exit_layer=0)
 
@@ -57,7 +59,8 @@ def test_cells_reused_after_the_window_moved_on_never_leak_stale_kv(swa_model, m
     # the same cells in another order: only the order of the attention sums differs
     np.testing.assert_allclose(reusing, fresh, rtol=1e-4, atol=1e-5)
     # the comparison can fail: the exits changed what later tokens see
-    never_exited = teacher_forced(Context(swa_model, n_threads=1, n_ctx=512, n_batch=64, swa_full=False), prompt, continuation)
+    never_exited = teacher_forced(Context(swa_model, n_threads=1, n_ctx=512, n_batch=64, swa_full=False, flash_attn="off"),
+                                  prompt, continuation)
     assert not np.allclose(reusing[1::2], never_exited[1::2], atol=1e-3)
 
 

@@ -82,7 +82,8 @@ def setup(binary) -> ServerSetup:
 
 def test_plain_server_answers_as_llama_does(setup):
     """The same token ids greedy: llama-server's answers are llama-cpp-python's, and its timings count the steps."""
-    llm = Llama(model_path=str(setup.model), n_ctx=setup.n_ctx, n_threads=2, verbose=False)
+    llm = Llama(model_path=str(setup.model), n_ctx=setup.n_ctx, n_threads=2, flash_attn=setup.flash_attn != "off",
+                verbose=False)
     prompts = [llm.tokenize(text.encode()) for text in ("The capital of France is", "def fibonacci(n):")]
     vanilla = VanillaLane(llm, TOKENS, lambda t: t == llm.token_eos())
     with LlamaServer(setup) as server:

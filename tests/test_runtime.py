@@ -30,8 +30,8 @@ def greedy(ctx: Context, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def early_exit_context(model: Model, kv_mode: str = "mask", n_ctx: int = 128) -> Context:
-    ctx = Context(model, n_ctx=n_ctx)
+def early_exit_context(model: Model, kv_mode: str = "mask", n_ctx: int = 128, flash_attn: str = "auto") -> Context:
+    ctx = Context(model, n_ctx=n_ctx, flash_attn=flash_attn)
     ctx.enable_early_exit(4, kv_mode)
     return ctx
 
@@ -48,19 +48,20 @@ def top_k(logits: np.ndarray, k: int) -> list[int]:
 # --- hooks off / never stopping ------------------------------------------------------------
 
 
-def assert_hooks_off_match_stock(model: Model, prompt: list[int], n: int, n_ctx: int) -> None:
-    """Our context, with and without early exit enabled (never stopping), decodes exactly like stock Llama."""
-    llm = Llama(model_path=str(model.info.path), n_ctx=n_ctx, n_threads=2, verbose=False)
+def assert_hooks_off_match_stock(model: Model, prompt: list[int], n: int, n_ctx: int, flash_attn: str = "auto") -> None:
+    """Our context, with and without early exit enabled (never stopping), decodes exactly like stock Llama with the
+    same attention kernels (auto is on, on the CPU)."""
+    llm = Llama(model_path=str(model.info.path), n_ctx=n_ctx, n_threads=2, flash_attn=flash_attn != "off", verbose=False)
     stock = []
     for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
         stock.append(token)
         if len(stock) == n:
             break
 
-    plain = Context(model, n_ctx=n_ctx)
+    plain = Context(model, n_ctx=n_ctx, flash_attn=flash_attn)
     assert greedy(plain, prompt, n) == stock
 
-    probing = early_exit_context(model, "mask", n_ctx=n_ctx)
+    probing = early_exit_context(model, "mask", n_ctx=n_ctx, flash_attn=flash_attn)
     probing.set_probe_layers(range(model.info.n_layer - 1))
     calls = []
     probing.set_probe_callback(lambda il, z: calls.append(il) or False)
@@ -69,8 +70,9 @@ def assert_hooks_off_match_stock(model: Model, prompt: list[int], n: int, n_ctx:
     assert len(calls) == n * (model.info.n_layer - 1)
 
 
-def test_hooks_off_matches_stock_llama(default_model):
-    assert_hooks_off_match_stock(default_model, default_model.tokenize(CHAT_PROMPT), 64, n_ctx=512)
+@pytest.mark.parametrize("flash_attn", ["auto", "off"])
+def test_hooks_off_matches_stock_llama(default_model, flash_attn):
+    assert_hooks_off_match_stock(default_model, default_model.tokenize(CHAT_PROMPT), 64, n_ctx=512, flash_attn=flash_attn)
 
 
 def test_prompt_processing_never_stops(default_model):

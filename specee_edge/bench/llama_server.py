@@ -89,11 +89,12 @@ class ServerSetup:
     model: Path
     threads: int
     n_ctx: int
+    flash_attn: str = "auto"  # -fa, as the bench's other lanes run
     n_batch: int = 512  # llama-cpp-python's Llama default, which the bench's other lanes use
 
     def args(self, port: int, extra: Sequence[str]) -> list[str]:
         return [str(self.binary), "-m", str(self.model), "-t", str(self.threads), "-tb", str(self.threads),
-                "-c", str(self.n_ctx), "-b", str(self.n_batch), "-ub", str(self.n_batch), "-np", "1",
+                "-c", str(self.n_ctx), "-b", str(self.n_batch), "-ub", str(self.n_batch), "-fa", self.flash_attn, "-np", "1",
                 "--host", "127.0.0.1", "--port", str(port), *extra]
 
 

@@ -65,6 +65,7 @@ class BenchConfig:
     sampled: bool = True             # a second pass with chat's default sampling (seeded per prompt)
     peer: bool = True                # llama-cpp-python's prompt-lookup speculative decoding as a lane
     lookup_lane: bool = True         # a lane of exact mode without the pack: prompt-lookup drafts, what any GGUF gets
+    flash_attn: str = "auto"         # --flash-attn, in every lane: llama.cpp's on, off or auto
     seed: int = 0                    # the sampled pass's seed (prompt i draws from seed + i in every lane)
     llama_server: Path | None = None  # the llama-server program: its lanes, plain the baseline (None: no such lanes)
     spec_types: list[str] = field(default_factory=lambda: list(DEFAULT_SPEC_TYPES))  # a llama-server lane each
@@ -122,11 +123,12 @@ def load_engines(config: BenchConfig, qualities: Sequence[float | None]) -> list
         for quality in qualities:
             for native in (True, False) if config.python_policy else (True,):
                 engine = Engine(config.model, pack=config.pack, config=EngineConfig(
-                    n_ctx=ENGINE_CTX, n_threads=config.threads, kv_mode=mode, quality=quality,
-                    threshold=config.threshold, native=native))
+                    n_ctx=ENGINE_CTX, n_threads=config.threads, flash_attn=config.flash_attn, kv_mode=mode,
+                    quality=quality, threshold=config.threshold, native=native))
                 engines.append((mode if native else f"{mode}/python", engine))
     if config.lookup_lane or not qualities:
-        engines.append((NO_PACK, Engine(config.model, pack=None, config=EngineConfig(n_ctx=ENGINE_CTX, n_threads=config.threads))))
+        engines.append((NO_PACK, Engine(config.model, pack=None, config=EngineConfig(
+            n_ctx=ENGINE_CTX, n_threads=config.threads, flash_attn=config.flash_attn))))
     return engines
 
 
@@ -152,7 +154,7 @@ def open_servers(config: BenchConfig, stack: ExitStack, dropped: list[str]) -> d
     (success, error or Ctrl+C); a lane whose server does not start is a line in `dropped`."""
     if config.llama_server is None:
         return {}
-    setup = ServerSetup(config.llama_server, config.model, config.threads, ENGINE_CTX)
+    setup = ServerSetup(config.llama_server, config.model, config.threads, ENGINE_CTX, config.flash_attn)
     servers = {}
     for name in [PLAIN, *config.spec_types, *([DRAFT] if config.draft_model else [])]:
         try:
@@ -221,12 +223,13 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
     # 1. speed: vanilla, SpecEE per KV mode and quality level, and the cost lanes, token by token in turns;
     # vanilla's context is the engines' size (attention over a larger cache costs more)
     llm = Llama(model_path=str(config.model), n_ctx=ENGINE_CTX, n_threads=config.threads,
-                n_threads_batch=config.threads, verbose=False, **llama_placement())
+                n_threads_batch=config.threads, verbose=False, **llama_kwargs(config))
     vanilla = VanillaLane(llm, config.tokens, model.is_eog)
     lanes = [SpecEELane(mode, engine, config.tokens) for mode, engine in engines]
     peer = peer_lane(config, model.is_eog) if config.peer else None
     server_lanes = [ServerLane(name, server, config.tokens) for name, server in servers.items()]
-    cost = cost_lanes(model, draft_setup(first), n_ctx=seq_ctx, n_threads=config.threads, k=k) if pack else []
+    cost = cost_lanes(model, draft_setup(first), n_ctx=seq_ctx, n_threads=config.threads, k=k,
+                      flash_attn=config.flash_attn) if pack else []
     gone = run_dropping(prompts, vanilla, [*lanes, *([peer] if peer else []), *server_lanes], cost,
                         reporter.task("decoding, greedy", len(prompts) * (config.tokens - 1)), dropped, "greedy",
                         workers=model.workers)
@@ -296,7 +299,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
         oracle = Oracle(depths, costs, n_layer)
 
     # 3. quality: agreement, exact prefix, held-out perplexity with and without exits
-    reference = Context(model, n_ctx=seq_ctx, n_batch=seq_ctx, n_threads=config.threads)
+    reference = Context(model, n_ctx=seq_ctx, n_batch=seq_ctx, n_threads=config.threads, flash_attn=config.flash_attn)
     advance = reporter.task("quality", sum(lane.timing.steps for lane in lanes) + (len(lanes) + 1) * (len(heldout) - 1))
     ppl_full = perplexity(first, heldout, early_exit=False, advance=advance).value
     # how much of each vanilla greedy answer repeats itself, and the answers that do not loop
@@ -350,7 +353,7 @@ def by_category(values: Sequence[float], categories: Sequence[str]) -> dict[str,
 
 def peer_lane(config: BenchConfig, is_eog, sampling: SamplingParams | None = None) -> PeerLane:
     kwargs = {"sampling": sampling} if sampling else {}
-    return PeerLane(str(config.model), ENGINE_CTX, config.threads, config.tokens, is_eog, placement=llama_placement(),
+    return PeerLane(str(config.model), ENGINE_CTX, config.threads, config.tokens, is_eog, llama_kwargs=llama_kwargs(config),
                     **kwargs)
 
 
@@ -482,11 +485,13 @@ def rpc_report(workers: tuple[rpc.Endpoint, ...], n_gpu_layers: int, vanilla: Va
     return RpcResult([str(w) for w in workers], n_gpu_layers, bare, round_trips(vanilla.timing))
 
 
-def llama_placement() -> dict:
-    """llama-cpp-python's Llama arguments for this process's placement (-ngl, -ts, --rpc), so that the vanilla and
-    peer lanes put their layers where the engines do."""
+def llama_kwargs(config: BenchConfig) -> dict:
+    """llama-cpp-python's Llama arguments for this process's placement (-ngl, -ts, --rpc) and the bench's flash
+    attention, so that the vanilla and peer lanes put their layers where the engines do and run the same kernels
+    (Llama's flash_attn is on or off: auto is on wherever it can run, and the engines' devices can)."""
     offload = rpc.default_offload()
-    return {"n_gpu_layers": offload.n_gpu_layers, "tensor_split": list(offload.tensor_split) or None}
+    return {"n_gpu_layers": offload.n_gpu_layers, "tensor_split": list(offload.tensor_split) or None,
+            "flash_attn": config.flash_attn != "off"}
 
 
 def verify_cost(stats: GenerationStats, vanilla: VanillaLane) -> float | None:

@@ -81,9 +81,9 @@ class PeerLane:
     machines), through Llama.generate with llama.cpp's sampler chain; a step is one next() of it."""
 
     def __init__(self, model_path: str, n_ctx: int, n_threads: int, max_tokens: int, is_eog: Callable[[int], bool],
-                 sampling: SamplingParams = GREEDY, placement: dict | None = None):
+                 sampling: SamplingParams = GREEDY, llama_kwargs: dict | None = None):
         self.llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
-                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=2), verbose=False, **(placement or {}))
+                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=2), verbose=False, **(llama_kwargs or {}))
         self.max_tokens = max_tokens
         self.is_eog = is_eog
         self.sampling = sampling

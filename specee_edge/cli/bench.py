@@ -12,7 +12,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specee_edge.cli.app import app, console, err_console, fail
-from specee_edge.cli.chat import RPC_TIMEOUT_S, GpuLayers, HfFile, HfRepo, Rpc, RpcTimeout, TensorSplit, pick_model, set_placement
+from specee_edge.cli.chat import RPC_TIMEOUT_S, FlashAttn, FlashAttnSetting, GpuLayers, HfFile, HfRepo, Rpc, RpcTimeout, TensorSplit, pick_model, set_placement
 from specee_edge.errors import SpecEEError
 
 REFRESH_S = 0.2
@@ -61,6 +61,7 @@ def bench(
     tokens: Annotated[int, typer.Option("-n", "--tokens", help="tokens generated per prompt")] = 96,
     kv_mode: Annotated[str | None, typer.Option("--kv-mode", help="mask, fill, full, or all (default: the engine's)")] = None,
     threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: up to 8)")] = None,
+    flash_attn: FlashAttn = FlashAttnSetting.auto,
     n_gpu_layers: GpuLayers = None,
     rpc_workers: Rpc = None,
     rpc_timeout: RpcTimeout = RPC_TIMEOUT_S,
@@ -118,6 +119,7 @@ def bench(
             model=resolve_model(pick_model(model, None, hf_repo, hf_file)), pack=pack or AUTO, prompt_set=prompts, num_prompts=num_prompts,
             tokens=tokens, kv_modes=modes, threads=threads or default_threads(), quality=quality, threshold=threshold,
             ppl_tokens=ppl_tokens, python_policy=python_policy, sampled=sampled, peer=peer, lookup_lane=lookup_lane, seed=seed,
+            flash_attn=flash_attn.value,
             llama_server=server, spec_types=spec_types, draft_model=draft_model, dropped=dropped, command=" ".join(["specee-edge", *sys.argv[1:]]),
         )
         columns = (TextColumn("{task.description:>9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

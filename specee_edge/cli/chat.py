@@ -72,6 +72,17 @@ ColorExits = Annotated[bool, typer.Option("--color-exits", help="colour each tok
 Verbose = Annotated[bool, typer.Option("--verbose", help="the detailed stats after each reply")]
 
 
+class FlashAttnSetting(str, Enum):
+    on = "on"
+    off = "off"
+    auto = "auto"
+
+
+FlashAttn = Annotated[FlashAttnSetting, typer.Option("-fa", "--flash-attn", help=(
+    "flash attention, as llama.cpp's flag: auto turns it on wherever the device runs it (on the CPU a step costs"
+    " about 10 % less)"))]
+
+
 class KvMode(str, Enum):
     mask = "mask"
     fill = "fill"
@@ -99,6 +110,7 @@ class EngineOptions:
     tensor_split: str | None = None
     rpc_timeout: float = RPC_TIMEOUT_S
     speculation: str = "auto"
+    flash_attn: str = "auto"
 
 
 def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str, str | None]:
@@ -121,7 +133,7 @@ def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str,
     set_placement(opts.rpc, opts.n_gpu_layers, opts.tensor_split, opts.rpc_timeout)
     config = EngineConfig(n_ctx=opts.n_ctx, n_threads=opts.threads or default_threads(), kv_mode=opts.kv_mode,
                           quality=parse_quality(opts.quality), threshold=opts.threshold, early_exit=opts.early_exit,
-                          speculation=opts.speculation)
+                          speculation=opts.speculation, flash_attn=opts.flash_attn)
     pack = opts.pack if opts.pack is not None else AUTO
     notice = None
     try:
@@ -232,6 +244,7 @@ def chat(
     chat_template: ChatTemplate = None,
     no_early_exit: NoEarlyExit = False,
     speculation: Speculation = "auto",
+    flash_attn: FlashAttn = FlashAttnSetting.auto,
     kv_mode: KvModeOpt = None,
     quality: Quality = None,
     threshold: Threshold = None,
@@ -246,7 +259,7 @@ def chat(
     try:
         opts = EngineOptions(pick_model(model, model_opt, hf_repo, hf_file), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
                              quality, threshold, not no_early_exit, rpc_workers, tensor_split, rpc_timeout,
-                             speculation=speculation)
+                             speculation=speculation, flash_attn=flash_attn.value)
         settings = ReplSettings(sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed), n_predict,
                                 system_prompt, chat_template_text(chat_template), verbose, color_exits)
         engine, label, notice = load_engine(opts, strict_pack=False)
@@ -311,6 +324,7 @@ def generate(
     chat_template: ChatTemplate = None,
     no_early_exit: NoEarlyExit = False,
     speculation: Speculation = "auto",
+    flash_attn: FlashAttn = FlashAttnSetting.auto,
     kv_mode: KvModeOpt = None,
     quality: Quality = None,
     threshold: Threshold = None,
@@ -324,7 +338,7 @@ def generate(
         text = _prompt_text(prompt, file)
         opts = EngineOptions(pick_model(model, model_opt, hf_repo, hf_file), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
                              quality, threshold, not no_early_exit, rpc_workers, tensor_split, rpc_timeout,
-                             speculation=speculation)
+                             speculation=speculation, flash_attn=flash_attn.value)
         sampling = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
         template = chat_template_text(chat_template)
         engine, _, notice = load_engine(opts, strict_pack=True)

@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 
 from specee_edge.cli.app import app, console, fail
-from specee_edge.cli.chat import (RPC_TIMEOUT_S, ChatTemplate, CtxSize, EngineOptions, GpuLayers, HfFile, HfRepo,
-                                  KvModeOpt, ModelArg, ModelOpt, PackOpt, Quality, Rpc, RpcTimeout, Speculation,
+from specee_edge.cli.chat import (RPC_TIMEOUT_S, ChatTemplate, CtxSize, EngineOptions, FlashAttn, FlashAttnSetting,
+                                  GpuLayers, HfFile, HfRepo, KvModeOpt, ModelArg, ModelOpt, PackOpt, Quality, Rpc, RpcTimeout, Speculation,
                                   TensorSplit, Threads, chat_template_text, load_engine, pick_model)
 from specee_edge.errors import SpecEEError
 
@@ -32,6 +32,7 @@ def serve(
     threads: Threads = None,
     quality: Quality = None,
     speculation: Speculation = "auto",
+    flash_attn: FlashAttn = FlashAttnSetting.auto,
     kv_mode: KvModeOpt = None,
     chat_template: ChatTemplate = None,
     api_key: Annotated[str | None, typer.Option("--api-key", show_default=False, envvar="SPECEE_API_KEY",
@@ -54,7 +55,7 @@ def serve(
         listener = _listen(host, port)
         opts = EngineOptions(pick_model(model, model_opt, hf_repo, hf_file), pack, ctx_size, n_gpu_layers, threads,
                              kv_mode.value if kv_mode else None, quality, None, True, rpc_workers, tensor_split, rpc_timeout,
-                             speculation=speculation)
+                             speculation=speculation, flash_attn=flash_attn.value)
         template = chat_template_text(chat_template)
         engine, label, notice = load_engine(opts, strict_pack=False)
     except SpecEEError as e:

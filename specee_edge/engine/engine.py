@@ -57,6 +57,7 @@ class EngineConfig:
     n_ctx: int = 4096
     n_batch: int = 512
     n_threads: int = field(default_factory=default_threads)
+    flash_attn: str = "auto"  # llama.cpp's --flash-attn: on, off, or auto (on wherever the device runs it)
     n_gpu_layers: int | None = None  # None: the process's placement (none, or --rpc's: runtime.rpc.use_workers)
     kv_mode: str | None = None  # None: DEFAULT_KV_MODE where the model allows it, else FALLBACK_KV_MODE
     quality: float | None = None    # the pack's quality level (agreement with the full model); None: its default
@@ -112,7 +113,7 @@ class Engine:
                                        eog_tokens=self.model.eog_tokens())
                        if self.pack_path else None)
         self.ctx = Context(self.model, n_ctx=self.config.n_ctx, n_batch=self.config.n_batch,
-                           n_threads=self.config.n_threads)
+                           n_threads=self.config.n_threads, flash_attn=self.config.flash_attn)
         self.kv_mode: str | None = None
         if self.policy:
             self.kv_mode = self._enable_early_exit(self.config.kv_mode)

@@ -144,19 +144,20 @@ def stop_layers(n_layer: int) -> list[int]:
     return sorted({max(0, round(n_layer * f) - 1) for f in STOP_FRACTIONS})
 
 
-def lane_context(model: Model, *, n_ctx: int, n_threads: int, k: int, kv_mode: str | None) -> Context:
+def lane_context(model: Model, *, n_ctx: int, n_threads: int, k: int, kv_mode: str | None,
+                 flash_attn: str = "auto") -> Context:
     """A fresh context; early exit on (k candidates, `kv_mode`) unless kv_mode is None."""
-    ctx = Context(model, n_ctx=n_ctx, n_threads=n_threads)
+    ctx = Context(model, n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn)
     if kv_mode:
         ctx.enable_early_exit(k, kv_mode)
     return ctx
 
 
 def checked_context(model: Model, setup: DraftSetup, layers: list[int], *, threshold: float = 1.0,
-                    kv_mode: str = "mask", n_ctx: int, n_threads: int, k: int) -> Context:
+                    kv_mode: str = "mask", n_ctx: int, n_threads: int, k: int, flash_attn: str = "auto") -> Context:
     """The draft and a native check after each of `layers` (threshold 1: a sigmoid never exceeds it, so
     checked and never fired; below 0: every check stops the token, head-free)."""
-    ctx = lane_context(model, n_ctx=n_ctx, n_threads=n_threads, k=k, kv_mode=kv_mode)
+    ctx = lane_context(model, n_ctx=n_ctx, n_threads=n_threads, k=k, kv_mode=kv_mode, flash_attn=flash_attn)
     ctx.set_draft(**setup.draft)
     weights, biases = setup.predictor
     for il in layers:
@@ -166,16 +167,17 @@ def checked_context(model: Model, setup: DraftSetup, layers: list[int], *, thres
     return ctx
 
 
-def cost_lanes(model: Model, setup: DraftSetup, *, n_ctx: int, n_threads: int, k: int) -> list[CostLane]:
+def cost_lanes(model: Model, setup: DraftSetup, *, n_ctx: int, n_threads: int, k: int,
+               flash_attn: str = "auto") -> list[CostLane]:
     """The lanes of the module docstring, on fresh contexts."""
     n_layer = model.info.n_layer
 
     def context(kv_mode: str | None) -> Context:
-        return lane_context(model, n_ctx=n_ctx, n_threads=n_threads, k=k, kv_mode=kv_mode)
+        return lane_context(model, n_ctx=n_ctx, n_threads=n_threads, k=k, kv_mode=kv_mode, flash_attn=flash_attn)
 
     def checked(layers: list[int], threshold: float = 1.0, kv_mode: str = "mask") -> Context:
         return checked_context(model, setup, layers, threshold=threshold, kv_mode=kv_mode, n_ctx=n_ctx,
-                               n_threads=n_threads, k=k)
+                               n_threads=n_threads, k=k, flash_attn=flash_attn)
 
     def timed_draft() -> Context:
         ctx = checked([n_layer - 1])
