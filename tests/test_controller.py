@@ -19,15 +19,18 @@ def measured(plain_ms: float, batch_ms: dict[int, float]) -> Controller:
     return controller
 
 
-def accept(controller: Controller, choice: Choice, accepted: int, drafts: int, rounds: int, greedy: bool = True) -> None:
-    """`rounds` rounds of `choice` that each accepted `accepted` of `drafts` drafts (costs untouched)."""
+def accept(controller: Controller, choice: Choice, accepted: int, drafts: int, rounds: int, greedy: bool = True,
+           match: int = 0) -> None:
+    """`rounds` rounds of `choice` that each accepted `accepted` of `drafts` drafts (costs untouched); `match`: lookup's
+    match bucket (0: the controller's tests that do not bucket)."""
     for _ in range(rounds):
         for counts in (controller._request, controller._lifetime):
-            counts.setdefault((choice, greedy), AcceptanceCount()).add(accepted, drafts)
+            counts.setdefault((choice, greedy, match), AcceptanceCount()).add(accepted, drafts)
 
 
-def plan(controller: Controller, lookup: int = 8, exits: bool = False, limit: int = 8, greedy: bool = True) -> Plan:
-    return controller.plan(lookup_drafts=lookup, exits=exits, limit=limit, greedy=greedy)
+def plan(controller: Controller, lookup: int = 8, exits: bool = False, limit: int = 8, greedy: bool = True,
+         match: int = 0) -> Plan:
+    return controller.plan(lookup_drafts=lookup, exits=exits, limit=limit, greedy=greedy, lookup_match=match)
 
 
 def test_a_lookup_round_is_priced_per_expected_token():
@@ -337,5 +340,39 @@ def test_a_drafting_round_drops_the_pending_shadow():
     lookup = Plan(Choice.LOOKUP, 2, 8.0)
     controller.observe(Outcome(lookup, emitted=3, ms=15.0, drafts=2, accepted=2, batch_ms=15.0))
     controller.watch_lookup(lookup, [2, 3], [2, 3, 4], greedy=True)
-    count = controller._request[(Choice.LOOKUP, True)]
+    count = controller._request[(Choice.LOOKUP, True, 0)]
     assert (count.accepted, count.rejected) == (2.0, 0.0)
+
+
+def test_lookup_acceptance_is_counted_by_the_length_of_the_match():
+    """A long match's drafts are priced with what long matches accepted, a one-token match's with its own: the
+    first drafts at once (its prior, then its record), the second stays plain."""
+    controller = measured(10.0, {2: 16.0, 5: 24.0, 9: 36.0})
+    controller.begin_request()
+    # LOOKUP_PRIOR: 8+ matches were right 9 times in 10, 1-token ones a quarter of the time (each mixed with 0.5)
+    assert plan(controller, match=8).choice == Choice.LOOKUP
+    assert plan(controller, match=1).choice == Choice.PLAIN
+    accept(controller, Choice.LOOKUP, 0, 8, rounds=10, match=8)  # this machine's texts disagree: long matches fail
+    accept(controller, Choice.LOOKUP, 8, 8, rounds=10, match=1)  # ... and short ones come true
+    assert plan(controller, match=8).choice == Choice.PLAIN
+    assert plan(controller, match=1).choice == Choice.LOOKUP
+    plain = Plan(Choice.PLAIN, 0, 10.0)
+    controller.watch_lookup(plain, [1, 2], [1], greedy=True, match=4)  # a shadow round counts in its own bucket ...
+    controller.watch_lookup(plain, [], [2], greedy=True)
+    for key in ((Choice.LOOKUP, True, 4), (Choice.LOOKUP, True, 0)):  # ... and among all lookup rounds
+        count = controller._request[key]
+        assert (count.accepted, count.rejected) == (2.0, 0.0)
+    assert controller.acceptance(Choice.LOOKUP, True, 4) == pytest.approx(1.0)
+    assert {"lookup/greedy", "lookup after 4+/greedy"} <= set(controller.snapshot()["accept_chance"])
+
+
+def test_a_copy_that_has_just_begun_drafts_on_short_matches():
+    """Rounds of every bucket accepted whole (the answer copies now) raise a short match's price of acceptance too:
+    half its rate is lookup's over all rounds."""
+    controller = measured(10.0, {2: 16.0, 5: 24.0, 9: 36.0})
+    controller.begin_request()
+    assert plan(controller, match=2).choice == Choice.PLAIN
+    for _ in range(6):
+        controller.observe(Outcome(Plan(Choice.LOOKUP, 4, 0.0, match=8), emitted=5, ms=24.0, drafts=4, accepted=4,
+                                   batch_ms=24.0))
+    assert plan(controller, match=2).choice == Choice.LOOKUP

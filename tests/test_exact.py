@@ -231,14 +231,19 @@ def test_an_exact_level_with_every_exit_off_drafts_from_prompt_lookup_alone(engi
 
 
 def test_lookup_continues_the_latest_occurrence_of_the_longest_suffix():
-    from specee_edge.draft.lookup import PromptLookup
+    from specee_edge.draft.lookup import Continuation, PromptLookup, match_bucket
 
     index = PromptLookup(max_n=3)
     index.extend([5, 6, 7, 8, 9, 6, 7, 1, 2, 6, 7])
-    assert index.continuation(3) == [1, 2, 6]  # "6 7" last occurred before 1 2; the longest match "6 7" wins
+    assert index.continuation(3) == Continuation([1, 2, 6], 2)  # "6 7" last occurred before 1 2; the longest match wins
+    assert index.propose() == 1 and index.propose(max_n=1) == 1  # "7" last occurred before 1 too
     index.extend([8])
-    assert index.continuation(5) == [9, 6, 7, 1, 2]  # "6 7 8" occurred once
-    assert index.continuation(0) == [] and PromptLookup(max_n=3).continuation(2) == []
+    found = index.continuation(5)
+    assert found == Continuation([9, 6, 7, 1, 2], 3) and found.bucket == 2  # "6 7 8" occurred once
+    assert index.propose(max_n=1) == 9 and index.propose(max_n=0) is None
+    assert index.continuation(0) == Continuation([], 3)
+    assert PromptLookup(max_n=3).continuation(2) == Continuation([], 0) and Continuation([], 0).bucket == 0
+    assert [match_bucket(n) for n in (1, 2, 3, 4, 7, 8, 12)] == [1, 2, 2, 4, 4, 8, 8]
 
 
 def test_a_lossy_level_would_change_the_answers_exact_mode_keeps(engine, exact_pack):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from specee_edge.draft.lookup import LOOKUP_MAX_N, PromptLookup, lookup_drafts
+from specee_edge.draft.lookup import DRAFT_MATCH_N, PromptLookup, lookup_drafts
 from specee_edge.engine.engine import ROUND_MAX_DRAFTS
 
 
@@ -46,7 +46,7 @@ class LookupReplay:
 
 
 def replay_lookup(prompt: Sequence[int], answer: Sequence[int], is_eog: Callable[[int], bool],
-                  max_drafts: int = ROUND_MAX_DRAFTS, max_n: int = LOOKUP_MAX_N) -> LookupReplay:
+                  max_drafts: int = ROUND_MAX_DRAFTS, max_n: int = DRAFT_MATCH_N) -> LookupReplay:
     """Exact mode's lookup rounds along `answer`, drafting at every match: the engine's own drafts (lookup_drafts,
     cut after an end of generation), at most `max_drafts` and, as in the engine, no more than the tokens left
     after the round's last one."""
@@ -55,7 +55,7 @@ def replay_lookup(prompt: Sequence[int], answer: Sequence[int], is_eog: Callable
     out = LookupReplay(tokens=max(len(answer) - 1, 0))
     i = 0  # answer[i] is the last emitted token, not in the index yet
     while i < len(answer) - 1:
-        drafts = lookup_drafts(index, answer[i], min(max_drafts, len(answer) - 2 - i), is_eog)
+        drafts = lookup_drafts(index, answer[i], min(max_drafts, len(answer) - 2 - i), is_eog).tokens
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == answer[i + 1 + accepted]:
             accepted += 1
@@ -72,7 +72,7 @@ def replay_lookup(prompt: Sequence[int], answer: Sequence[int], is_eog: Callable
 
 
 def replay_by_category(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], categories: Sequence[str],
-                       is_eog: Callable[[int], bool], max_n: int = LOOKUP_MAX_N) -> dict[str, dict[str, float]]:
+                       is_eog: Callable[[int], bool], max_n: int = DRAFT_MATCH_N) -> dict[str, dict[str, float]]:
     totals: dict[str, LookupReplay] = {}
     for prompt, answer, category in zip(prompts, answers, categories):
         totals.setdefault(category, LookupReplay()).add(replay_lookup(prompt, answer, is_eog, max_n=max_n))

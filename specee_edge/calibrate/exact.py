@@ -171,16 +171,16 @@ def measure(engine: Engine, level: QualityLevel, prompts: Sequence[list[int]], t
                       batch_ms / rounds / plain_ms if rounds else 0.0)
 
 
-def exact_candidates(sources: Sequence[QualityLevel], lookup: bool) -> list[tuple[QualityLevel, int, float]]:
+def exact_candidates(sources: Sequence[QualityLevel]) -> list[tuple[QualityLevel, int, float]]:
     """(exits, max_draft, draft_stop) to try: every lossy level with a layer on, each with every setting, then
-    (with `lookup`, the pack's prompt lookup) every exit off, drafting from prompt lookup alone."""
+    every exit off, drafting from prompt lookup alone (which exact mode does whatever the pack's candidates)."""
     drafting = [source for source in sources if not source.off and not source.exact]
     if not drafting:  # no level exits at all; drafts are checked, so every predictor may draft at an even threshold
         drafting = [dataclasses.replace(sources[0], exits=dict.fromkeys(sources[0].exits, FALLBACK_EXIT),
                                         offline=sorted(sources[0].exits))]
     exits = [(source, max_draft, stop) for source in drafting for max_draft in MAX_DRAFTS for stop in DRAFT_STOPS]
     no_exits = plain_exact(sources[0])
-    return exits + ([(no_exits, max_draft, 0.0) for max_draft in LOOKUP_DRAFTS] if lookup else [])
+    return exits + [(no_exits, max_draft, 0.0) for max_draft in LOOKUP_DRAFTS]
 
 
 def choose_exact(engine: Engine, sources: Sequence[QualityLevel], calibration: Sequence[list[int]],
@@ -188,7 +188,7 @@ def choose_exact(engine: Engine, sources: Sequence[QualityLevel], calibration: S
                  ) -> tuple[QualityLevel, ExactReport]:
     """The exact level: the fastest candidate on the calibration prompts, measured again on the held-out ones,
     and left plain (every layer off) unless it pays there."""
-    candidates = exact_candidates(sources, lookup=engine.policy.pack.lookup_max_n > 0)
+    candidates = exact_candidates(sources)
     trials = []
     for source, max_draft, stop in candidates:
         trial = measure(engine, exact_level(source, max_draft, stop), calibration, tokens)
@@ -251,4 +251,4 @@ def add_exact_level(model: Path, pack_path: Path, output: Path, *, prompts_path:
 
 def n_trials(pack: Pack) -> int:
     """Engine runs choose_exact makes for `pack` (for a progress bar): each candidate, then the chosen one again."""
-    return len(exact_candidates(pack.levels, lookup=pack.lookup_max_n > 0)) + 1
+    return len(exact_candidates(pack.levels)) + 1

@@ -23,7 +23,13 @@ length win, as DEL picks a speculation length per context from the acceptance it
   (BatchCosts.curve); before any batch has run, an extra row is guessed at a quarter of a step: an optimistic
   start, so that the first chance to draft measures what batches really cost here.
 - Acceptance is counted per kind of draft and per kind of decoding (greedy, sampled), over the recent rounds
-  of the request (older rounds fade), starting from what earlier requests on this engine accepted.
+  of the request (older rounds fade), starting from what earlier requests on this engine accepted. Lookup's is
+  counted twice: over all its rounds, and per bucket of the length of the match the drafts were copied after
+  (draft/lookup.py: after a match of 8 tokens or more, 93 % of first drafts were right on the default model,
+  after one of a single token 26 %); a round is priced with the mean of the two. The bucket tells a long copy
+  from a chance match; the recent rounds of all lookups tell that the answer is copying right now, which a copy
+  that has just begun (its matches still short) needs. Replaying the controller over the default model's
+  answers with fixed costs, the mean beat either alone at every batch cost tried.
 - Lookup drafts are offered at every round, taken or not: while the controller decodes plainly it checks them
   against the tokens that follow (shadow rounds), so lookup's acceptance stays current at no cost. A drawn
   token equals a draft exactly as often as in a real round, greedy or sampled.
@@ -55,6 +61,9 @@ SHARE_WEIGHT = 0.15         # a new round's weight in a share's moving average
 ACCEPT_DECAY = 0.8          # a round's weight in the acceptance counts shrinks by this at every later round
 PRIOR_ROUNDS = 2.0          # a request starts with this many rounds' worth of what earlier requests accepted
 PRIOR_ACCEPTANCE = 0.5      # ... and with this rate where there were none
+# ... for lookup drafts, by the bucket of their match (draft/lookup.py MATCH_BUCKETS): about what the default model's
+# greedy answers accepted (a draft after the one before it was right)
+LOOKUP_PRIOR = {1: 0.25, 2: 0.5, 4: 0.7, 8: 0.9}
 MAX_ACCEPTANCE = 0.97       # E(m) stays finite: no draft is ever certain
 PRIOR_ROW_COST = 0.25       # an extra row in a batch, in plain steps, before any batch was measured
 EXPLORE_WAIT = 16           # rounds a choice waits before it is tried again
@@ -77,6 +86,7 @@ class Plan:
     explore: bool = False    # taken to measure it again, not because it was the cheapest
     best_ms_per_token: float = 0.0  # the cheapest choice's price (what an exploration displaced)
     other_length: bool = False  # an exploration of the cheapest choice at another draft length
+    match: int = 0           # a lookup round: the bucket of the match its drafts were copied after
 
 
 @dataclass
@@ -207,15 +217,16 @@ class Controller:
         self.full_step = RecentCost()    # an exit round's first step that did not exit (probes, no draft)
         self.first_exits = MovingShare()  # share of exit rounds whose first step exited
         self._rounds = 0                 # rounds observed, the clock of measured_at
-        # long-run acceptance per (kind, greedy): the prior of each request
-        self._lifetime: dict[tuple[Choice, bool], AcceptanceCount] = {}
-        self._request: dict[tuple[Choice, bool], AcceptanceCount] = {}
+        # long-run acceptance per (kind, greedy, lookup's match bucket or 0): the prior of each request
+        self._lifetime: dict[tuple[Choice, bool, int], AcceptanceCount] = {}
+        self._request: dict[tuple[Choice, bool, int], AcceptanceCount] = {}
         # rounds since each exploration was last taken, and how long it waits: by (choice, at another length)
         self._waited: dict[tuple[Choice, bool], int] = {}
         self._wait: dict[tuple[Choice, bool], int] = {}
         self._explore_budget = 0.0       # ms explorations may still lose
         self._shadow: list[int] = []     # lookup drafts offered before a plain step, being checked
         self._shadow_matched = 0         # ... how many of them the tokens decoded since have equalled
+        self._shadow_bucket = 0          # ... the bucket of the match they were copied after
 
     # --- a request ---------------------------------------------------------------------------
 
@@ -232,9 +243,15 @@ class Controller:
                 share = PRIOR_ROUNDS / seen
                 self._request[key] = AcceptanceCount(lifetime.accepted * share, lifetime.rejected * share)
 
-    def acceptance(self, choice: Choice, greedy: bool) -> float:
-        default = self.exit_prior.acceptance if choice == Choice.EXIT else PRIOR_ACCEPTANCE
-        count = self._request.get((choice, greedy))
+    def acceptance(self, choice: Choice, greedy: bool, match: int = 0) -> float:
+        """The chance that a draft is accepted once those before it were; `match`: a lookup draft's match bucket
+        (0: over every lookup round). A bucket's is the mean of its own rate and lookup's over all rounds."""
+        if choice == Choice.LOOKUP and match:
+            return (self._rate((choice, greedy, match), LOOKUP_PRIOR[match]) + self.acceptance(choice, greedy)) / 2
+        return self._rate((choice, greedy, 0), self.exit_prior.acceptance if choice == Choice.EXIT else PRIOR_ACCEPTANCE)
+
+    def _rate(self, key: tuple[Choice, bool, int], default: float) -> float:
+        count = self._request.get(key)
         return count.rate(default) if count else default
 
     # --- prices ------------------------------------------------------------------------------
@@ -249,7 +266,7 @@ class Controller:
         step, full = self._exit_step_ms()
         return m * step + batch[m + 1], full
 
-    def _prices(self, choice: Choice, max_drafts: int, greedy: bool) -> list[float]:
+    def _prices(self, choice: Choice, max_drafts: int, greedy: bool, match: int = 0) -> list[float]:
         """The price of a round of `choice` (ms per emitted token) by its draft length 0 .. max_drafts (a drafting
         choice's length 0 is no round: infinite).
 
@@ -258,7 +275,7 @@ class Controller:
         if choice == Choice.PLAIN:
             return [self.plain.value]
         batch = self.batch.curve(max_drafts + 1, self.plain.value)
-        a = min(max(self.acceptance(choice, greedy), 0.0), MAX_ACCEPTANCE)
+        a = min(max(self.acceptance(choice, greedy, match), 0.0), MAX_ACCEPTANCE)
         q = 1.0
         if choice == Choice.EXIT:
             q = self.first_exits.value if self.first_exits.value is not None else self.exit_prior.exit_share
@@ -270,9 +287,9 @@ class Controller:
             prices.append((q * drafting + (1 - q) * not_drafting) / (q * tokens + (1 - q)))
         return prices
 
-    def _best(self, choice: Choice, max_drafts: int, greedy: bool) -> tuple[int, float]:
+    def _best(self, choice: Choice, max_drafts: int, greedy: bool, match: int = 0) -> tuple[int, float]:
         """The draft length with the lowest price for `choice`, and that price."""
-        prices = self._prices(choice, max_drafts, greedy)
+        prices = self._prices(choice, max_drafts, greedy, match)
         m = min(range(len(prices)), key=prices.__getitem__)
         return m, prices[m]
 
@@ -302,11 +319,13 @@ class Controller:
 
     # --- a round -----------------------------------------------------------------------------
 
-    def plan(self, *, lookup_drafts: int, exits: bool, limit: int, greedy: bool) -> Plan:
-        """The next round. lookup_drafts: how many drafts prompt lookup offers now (0: no match); exits: the
-        pack's exits can draft; limit: the most drafts the round may check (context, budget, n_batch)."""
+    def plan(self, *, lookup_drafts: int, exits: bool, limit: int, greedy: bool, lookup_match: int = 0) -> Plan:
+        """The next round. lookup_drafts: how many drafts prompt lookup offers now (0: no match), lookup_match: the
+        bucket of their match; exits: the pack's exits can draft; limit: the most drafts the round may check
+        (context, budget, n_batch)."""
         if self.always_draft and limit >= 1 and (lookup_drafts or exits):
-            return Plan(Choice.LOOKUP, min(lookup_drafts, limit), 0.0) if lookup_drafts else Plan(Choice.EXIT, limit, 0.0)
+            return (Plan(Choice.LOOKUP, min(lookup_drafts, limit), 0.0, match=lookup_match) if lookup_drafts
+                    else Plan(Choice.EXIT, limit, 0.0))
         if self.plain.value is None or limit < 1 or self.always_draft or not (lookup_drafts or exits):
             return Plan(Choice.PLAIN, 0, self.plain.value or 0.0)  # no price without a plain step measured
         longest = {Choice.PLAIN: 0}
@@ -314,10 +333,11 @@ class Controller:
             longest[Choice.LOOKUP] = min(lookup_drafts, limit)
         if exits:
             longest[Choice.EXIT] = limit
-        options = {choice: self._best(choice, m, greedy) for choice, m in longest.items()}
+        match = {Choice.LOOKUP: lookup_match}
+        options = {choice: self._best(choice, m, greedy, match.get(choice, 0)) for choice, m in longest.items()}
         best = min(options, key=lambda c: options[c][1])
         best_drafts, best_price = options[best]
-        chosen = Plan(best, best_drafts, best_price, best_ms_per_token=best_price)
+        chosen = Plan(best, best_drafts, best_price, best_ms_per_token=best_price, match=match.get(best, 0))
         self._waited[(best, False)] = 0
         # what may be explored: each other choice, and the best one at another draft length (a stale batch size)
         for key in [(choice, False) for choice in options if choice != best] + [(best, True)] * (best != Choice.PLAIN):
@@ -328,7 +348,7 @@ class Controller:
             drafts = (self._explorable(choice, longest[choice], best_price, other_than=best_drafts) if other_length
                       else self._explorable(choice, max(options[choice][0], 1), best_price))
             if drafts is not None:
-                chosen = Plan(choice, drafts, options[choice][1], True, best_price, other_length)
+                chosen = Plan(choice, drafts, options[choice][1], True, best_price, other_length, match.get(choice, 0))
                 self._waited[key] = 0
         return chosen
 
@@ -342,7 +362,7 @@ class Controller:
         else:
             if outcome.drafts:
                 self.batch.add(outcome.drafts + 1, outcome.batch_ms, self._rounds)
-                self._count(plan.choice, outcome.greedy, outcome.accepted, outcome.drafts)
+                self._count(plan.choice, outcome.greedy, plan.match, outcome.accepted, outcome.drafts)
             if plan.choice == Choice.EXIT:
                 self.first_exits.add(outcome.full_step_ms is None)
                 for ms in outcome.draft_step_ms:
@@ -352,7 +372,7 @@ class Controller:
         if not plan.explore:
             return 0.0
         # the explored choice (or length)'s new price against the best price it displaced: lost again, wait longer
-        prices = self._prices(plan.choice, max(plan.drafts, 1), outcome.greedy)
+        prices = self._prices(plan.choice, max(plan.drafts, 1), outcome.greedy, plan.match)
         price = prices[plan.drafts] if plan.other_length else min(prices)
         key = (plan.choice, plan.other_length)
         lost = price > plan.best_ms_per_token
@@ -361,27 +381,30 @@ class Controller:
         self._explore_budget -= cost
         return cost
 
-    def watch_lookup(self, plan: Plan, offered: list[int], emitted: list[int], greedy: bool) -> None:
-        """Shadow rounds: the lookup drafts offered at a plain step are checked against the tokens decoded from
-        there on, and counted as the round that was not taken would have been (accepted while equal). A drafting
-        round drops the shadow that pends: its drafts are counted by the round itself, not twice."""
+    def watch_lookup(self, plan: Plan, offered: list[int], emitted: list[int], greedy: bool, match: int = 0) -> None:
+        """Shadow rounds: the lookup drafts offered at a plain step (copied after a match of bucket `match`) are
+        checked against the tokens decoded from there on, and counted as the round that was not taken would have
+        been (accepted while equal). A drafting round drops the shadow that pends: its drafts are counted by the
+        round itself, not twice."""
         if plan.choice != Choice.PLAIN:
             self._shadow, self._shadow_matched = [], 0
             return
         if offered and not self._shadow:
-            self._shadow, self._shadow_matched = list(offered), 0
+            self._shadow, self._shadow_matched, self._shadow_bucket = list(offered), 0, match
         for token in emitted:
             if not self._shadow:
                 return
             equal = token == self._shadow[self._shadow_matched]
             self._shadow_matched += equal
             if not equal or self._shadow_matched == len(self._shadow):
-                self._count(Choice.LOOKUP, greedy, self._shadow_matched, len(self._shadow))
+                self._count(Choice.LOOKUP, greedy, self._shadow_bucket, self._shadow_matched, len(self._shadow))
                 self._shadow, self._shadow_matched = [], 0
 
-    def _count(self, choice: Choice, greedy: bool, accepted: int, drafts: int) -> None:
-        for counts, decay in ((self._request, ACCEPT_DECAY), (self._lifetime, 1.0)):
-            counts.setdefault((choice, greedy), AcceptanceCount()).add(accepted, drafts, decay=decay)
+    def _count(self, choice: Choice, greedy: bool, match: int, accepted: int, drafts: int) -> None:
+        """Count a round's drafts under its kind (every round) and its match bucket (lookup's)."""
+        for key in {(choice, greedy, 0), (choice, greedy, match)}:
+            for counts, decay in ((self._request, ACCEPT_DECAY), (self._lifetime, 1.0)):
+                counts.setdefault(key, AcceptanceCount()).add(accepted, drafts, decay=decay)
 
     def snapshot(self) -> dict:
         """What the controller has measured, for stats and the bench (ms)."""
@@ -393,6 +416,6 @@ class Controller:
             "first_step_exits": rounded(self.first_exits),
             # the chance that a draft is accepted once those before it were: accepted / (accepted + rejections),
             # what prices a round (not acceptance_rate, accepted / drafted, which counts drafts after a rejection)
-            "accept_chance": {f"{choice.value}/{'greedy' if greedy else 'sampled'}": round(count.rate(), 3)
-                              for (choice, greedy), count in sorted(self._lifetime.items())},
+            "accept_chance": {f"{choice.value}{f' after {match}+' if match else ''}/{'greedy' if greedy else 'sampled'}":
+                              round(count.rate(), 3) for (choice, greedy, match), count in sorted(self._lifetime.items())},
         }

@@ -28,7 +28,7 @@ from threadpoolctl import threadpool_limits
 
 from specee_edge.chat_templates import NAMED_TEMPLATES, named_template
 from specee_edge.default_model import default_model_path
-from specee_edge.draft.lookup import LOOKUP_MAX_N, PromptLookup, lookup_drafts
+from specee_edge.draft.lookup import DRAFT_MATCH_N, LOOKUP_MAX_N, Continuation, PromptLookup, lookup_drafts
 from specee_edge.engine.controller import Choice, Controller, ExitPrior, Outcome
 from specee_edge.engine.exit import ExitPolicy, find_pack
 from specee_edge.engine.records import GenerationStats, Round, TokenRecord, TokenSource
@@ -122,8 +122,10 @@ class Engine:
         self.speculative = self.config.early_exit  # exits and drafts on (a lossy level's exits, exact mode's drafts)
         if self.policy:
             self.policy.set_active(self.early_exit)
-        # the tokens whose K/V are in the cache, in order, indexed for prompt lookup (a pack says how it was trained)
-        self._history = PromptLookup(self.policy.pack.lookup_max_n if self.policy else LOOKUP_MAX_N)
+        # the tokens whose K/V are in the cache, in order, indexed for prompt lookup: exact mode's drafts match up to
+        # DRAFT_MATCH_N tokens, the graph's lookup candidate as the pack was trained (0: none)
+        self._history = PromptLookup(DRAFT_MATCH_N)
+        self._candidate_n = self.policy.pack.lookup_max_n if self.policy else LOOKUP_MAX_N
         if self.config.speculation not in SPECULATION:
             raise SpecEEError(f"unknown speculation {self.config.speculation!r}: choose {' or '.join(SPECULATION)}")
         if not 1 <= self.config.draft_max <= MAX_DRAFT:
@@ -170,7 +172,7 @@ class Engine:
 
     @property
     def lookup_max_n(self) -> int:
-        """The longest context suffix prompt lookup matches (the pack's, as it was calibrated)."""
+        """The longest context suffix exact mode's lookup drafts match."""
         return self._history.max_n
 
     @property
@@ -192,7 +194,7 @@ class Engine:
                 self.policy.begin_full_token()
             self.ctx.decode([token])
             return TokenRecord(forward_ms=(time.perf_counter() - t0) * 1e3)
-        lookup = self._history.propose() if self._history.max_n else None
+        lookup = self._history.propose(self._candidate_n) if self._candidate_n else None
         self.policy.begin_token(lookup)    # the layers the schedule checks; the lookup candidate goes first
         self.ctx.decode([token])           # draft -> layers -> probe -> predictor -> verify -> KV, in llama_decode
         t1 = time.perf_counter()
@@ -431,15 +433,14 @@ class Engine:
         it emits (at least one; at most `budget` unless the budget is spent), which share their Round."""
         p = self.ctx.n_past
         limit = self._round_limit(p, budget)
-        lookup = (lookup_drafts(self._history, token, limit, self.model.is_eog)
-                  if limit >= 1 and self._history.max_n else [])
-        plan = self.controller.plan(lookup_drafts=len(lookup), exits=self._exits_draft(), limit=limit,
-                                    greedy=draw.params.greedy)
+        lookup = lookup_drafts(self._history, token, limit, self.model.is_eog) if limit >= 1 else Continuation([], 0)
+        plan = self.controller.plan(lookup_drafts=len(lookup.tokens), lookup_match=lookup.bucket,
+                                    exits=self._exits_draft(), limit=limit, greedy=draw.params.greedy)
         t0 = time.perf_counter()
         draft_step_ms: list[float] = []
         full_step_ms = None
         if plan.choice == Choice.LOOKUP:
-            round_, records = self._verify(plan.choice, p, token, lookup[: plan.drafts], [], draw)
+            round_, records = self._verify(plan.choice, p, token, lookup.tokens[: plan.drafts], [], draw)
         elif plan.choice == Choice.EXIT:
             round_, records, draft_step_ms = self._exit_round(p, token, plan.drafts, draw)
             if not round_.drafts:  # the first step did not exit: one full-model token, no batch
@@ -453,7 +454,7 @@ class Engine:
             plan, emitted=round_.emitted, ms=(time.perf_counter() - t0) * 1e3, drafts=round_.drafts,
             accepted=round_.accepted, batch_ms=batch_price_ms, draft_step_ms=tuple(draft_step_ms),
             full_step_ms=full_step_ms, greedy=draw.params.greedy))
-        self.controller.watch_lookup(plan, lookup, [r.id for r in records], draw.params.greedy)
+        self.controller.watch_lookup(plan, lookup.tokens, [r.id for r in records], draw.params.greedy, lookup.bucket)
         for record in records:
             record.round = round_
         return records
