@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-from llama_cpp import Llama
+from llama_cpp import Llama, llama_cpp
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 from specee_edge.engine import GREEDY, Engine, TokenRecord
@@ -71,6 +71,9 @@ class VanillaLane:
         start = time.perf_counter()
         self._stops.feed(self._text.decode(self.llm.detokenize([token])))
         self.llm.eval([token])
+        # on an asynchronous backend (RPC workers, a GPU) llama_decode returns before the step has run, and Llama.eval
+        # reads no logits: the wait would fall into the untimed draw below
+        llama_cpp.llama_synchronize(self.llm.ctx)
         self.timing.add(time.perf_counter() - start)
         self.outputs[-1].append(self._draw.from_context(self.llm.ctx))
 

@@ -454,11 +454,12 @@ class Context:
         return self.exit_layer
 
     def _check_workers(self) -> None:
-        """With layers on RPC workers: wait for the decode's remote work (llama_decode returns before an async
-        backend is done, and the logits come back after it), so that a step's time holds it and a worker lost
-        during it is seen now; a lost worker's results read as zeros, so nothing it returned may be used."""
+        """Wait for the decode's work (on an asynchronous backend, a GPU or RPC workers, llama_decode returns once
+        the graph is queued), so that a step's time holds its compute, not the sampling that reads its logits; and
+        with layers on RPC workers, see now a worker lost during it: a lost worker's results read as zeros, so
+        nothing it returned may be used. (On the CPU the wait costs one call: the decode has run.)"""
+        _llama.llama_synchronize(self._ctx)
         if self.model.workers:
-            _llama.llama_synchronize(self._ctx)
             rpc.check_workers(self.model.workers)
 
     def _raise_callback_error(self) -> None:
