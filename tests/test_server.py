@@ -24,7 +24,7 @@ from openai import OpenAI
 from specee_edge.default_model import default_model_path
 from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.runtime import Model
-from tests.conftest import BROWSER_MISSING, LOOSE, exiting_quality, write_two_level_pack
+from tests.conftest import BROWSER_MISSING, LOOSE, write_two_level_pack
 
 CLI = str(Path(sys.executable).with_name("specee-edge"))
 N_CTX = 1024
@@ -542,7 +542,10 @@ def browser_paths() -> tuple[str, str] | None:
     return (chromium, driver) if chromium and driver else None
 
 
-def test_page_streams_and_colours_tokens(server: Server):
+def test_page_streams_and_colours_tokens(exiting_server: Server):
+    # the loose level (threshold 0.3 everywhere): a shipped level's exits hang on near-ties that another CPU's
+    # arithmetic can flip, and this test needs some token to have left early
+    server = exiting_server
     paths = browser_paths()
     if paths is None:
         if os.environ.get("SPECEE_REQUIRE_BROWSER"):
@@ -562,8 +565,7 @@ def test_page_streams_and_colours_tokens(server: Server):
         driver.get(server.url + "/")
         WebDriverWait(driver, 30).until(lambda d: "30 layers" in d.find_element(By.ID, "model").text)
         assert "exit depth" in driver.find_element(By.ID, "legend").text
-        driver.execute_script("document.getElementById('quality').value = arguments[0];",
-                              f"{exiting_quality():g}")
+        driver.execute_script("document.getElementById('quality').value = arguments[0];", f"{LOOSE:g}")
         driver.find_element(By.ID, "input").send_keys("List three sea animals.")
         driver.find_element(By.ID, "send").click()
         WebDriverWait(driver, 120).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".figures"))
