@@ -48,7 +48,7 @@ def test_spec_types_flag():
 def test_a_lane_that_raises_is_dropped_and_the_others_finish(tiny_dir):
     """A peer's bug: llama-cpp-python sizes Llama's token and logit arrays by the n_ctx asked for, while llama.cpp
     pads its context to 256, so a prompt between the two passes llama_decode and breaks Llama.eval (`could not
-    broadcast`, as prompt lookup's lane does on long RAG prompts). The run drops that lane only."""
+    broadcast`). The run drops that lane only."""
     model = str(tiny_model_path(tiny_dir, "llama"))
     tokens = 8
     prompt = [0] + [10, 11, 12, 13] * 25  # 101 tokens: more than the peer's 64, less than llama.cpp's 256
@@ -63,6 +63,21 @@ def test_a_lane_that_raises_is_dropped_and_the_others_finish(tiny_dir):
     assert list(failed) == [0] and "\n" not in failed[0]
     assert failed[0].startswith("ValueError: could not broadcast"), failed[0]
     assert [len(answer) for answer in vanilla.outputs] == [tokens, tokens]  # the other lane answered both prompts
+
+
+def test_prompt_lookup_lane_takes_a_prompt_longer_than_its_batch(tiny_dir):
+    """llama-cpp-python's prompt lookup keeps every row's logits in an array it sized for n_batch rows unless
+    asked for logits_all: a 600-token prompt (a long RAG question) broke Llama.eval before the lane asked."""
+    model = str(tiny_model_path(tiny_dir, "llama"))
+    llm = Llama(model_path=model, n_ctx=1024, n_threads=1, verbose=False)
+    vanilla = VanillaLane(llm, TOKENS, lambda t: False)
+    peer = PeerLane(model, 1024, 1, TOKENS, lambda t: False)
+    try:
+        assert run_interleaved([[0] + [10, 11, 12, 13] * 150], vanilla, [peer], []) == {}
+    finally:
+        peer.close()
+        llm.close()
+    assert peer.outputs == vanilla.outputs  # greedy: lossless
 
 
 @pytest.fixture(scope="module")

@@ -85,8 +85,11 @@ class PeerLane:
 
     def __init__(self, model_path: str, n_ctx: int, n_threads: int, max_tokens: int, is_eog: Callable[[int], bool],
                  sampling: SamplingParams = GREEDY, llama_kwargs: dict | None = None):
+        # logits_all: a draft model makes Llama keep every row's logits, but it sizes their array by the argument
+        # (n_batch rows when False), so a prompt longer than n_batch broke Llama.eval (`could not broadcast`)
         self.llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
-                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=2), verbose=False, **(llama_kwargs or {}))
+                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=2), logits_all=True, verbose=False,
+                         **(llama_kwargs or {}))
         self.max_tokens = max_tokens
         self.is_eog = is_eog
         self.sampling = sampling
