@@ -214,3 +214,28 @@ def test_generate_takes_hf(hub, tmp_path):
     both = subprocess.run([CLI, "generate", "-hf", REPO, "-m", "x.gguf", "-p", "hello"], capture_output=True,
                           text=True, env=env, timeout=120)
     assert both.returncode == 1 and "two models given" in both.stderr
+
+
+@pytest.mark.parametrize("alias", [None, "my-model"])
+def test_serve_names_an_hf_model_as_llama_server_does(hub, tmp_path, monkeypatch, alias):
+    """/v1/models and every reply name an -hf model by its repository as given (llama-server's name for it), not
+    by the path of its file in the cache; -a/--alias names it instead."""
+    import httpx
+
+    from tests.test_server import Server
+
+    monkeypatch.setenv("SPECEE_CACHE", str(tmp_path / "specee"))
+    server = Server("-hf", f"{REPO}:Q8_0", *(["-a", alias] if alias else []))
+    try:
+        listed = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+        reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=60).json()
+    finally:
+        out = server.stop()
+    expected = alias or f"{REPO}:Q8_0"
+    assert [model["id"] for model in listed] == [expected], out
+    assert reply["model"] == expected
+
+
+def test_serve_refuses_an_empty_alias():
+    result = subprocess.run([CLI, "serve", "-a", " "], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stderr.strip() == "error: --alias is empty: give the model a name, or leave the flag out"

@@ -38,6 +38,9 @@ def serve(
     api_key: Annotated[str | None, typer.Option("--api-key", show_default=False, envvar="SPECEE_API_KEY",
                                                 help="require Authorization: Bearer KEY on /v1/ (env SPECEE_API_KEY)")] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", help="requests waiting or running at most; more get 503")] = 16,
+    alias: Annotated[str | None, typer.Option("-a", "--alias", show_default=False,
+                                              help="the model's name in /v1/models and replies (default: the -hf "
+                                                   "repository as given, else the model as named)")] = None,
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) and a chat page at /."""
     from specee_edge.cli.render import exit_setting, level_warning
@@ -51,6 +54,8 @@ def serve(
         raise fail(f"serve needs the server extra ({e.name} is missing): pip install 'specee-edge[server]'") from None
     if max_queue < 1:
         raise fail(f"--max-queue must be at least 1, got {max_queue}")
+    if alias is not None and not alias.strip():
+        raise fail("--alias is empty: give the model a name, or leave the flag out")
     try:
         listener = _listen(host, port)
         opts = EngineOptions(pick_model(model, model_opt, hf_repo, hf_file), pack, ctx_size, n_gpu_layers, threads,
@@ -61,8 +66,8 @@ def serve(
     except SpecEEError as e:
         raise fail(e) from None
     path = engine.model.info.path
-    config = ServerConfig(model_id=label, api_key=api_key, max_queue=max_queue, chat_template=template,
-                          allowed_hosts=allowed_hosts(host))
+    config = ServerConfig(model_id=served_model_id(alias, hf_repo, label), api_key=api_key, max_queue=max_queue,
+                          chat_template=template, allowed_hosts=allowed_hosts(host))
     line = {"highlight": False, "markup": False, "soft_wrap": True}
     setting = exit_setting(engine)
     state = f"early exit {'on' if engine.early_exit else 'off'}{f', {setting}' if setting else ''}"
@@ -100,3 +105,9 @@ def _listen(host: str, port: int) -> socket.socket:
     sock.listen(128)
     sock.set_inheritable(True)
     return sock
+
+
+def served_model_id(alias: str | None, hf_repo: str | None, label: str) -> str:
+    """The model's name to clients, as llama-server picks it: --alias, else the -hf repository as given
+    (USER/REPO[:QUANT], never the cache's path), else the model as the command line named it."""
+    return alias.strip() if alias else hf_repo or label
