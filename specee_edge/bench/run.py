@@ -509,8 +509,8 @@ def exit_histogram(exit_layers: Sequence[int | None], n_layer: int) -> list[int]
 
 def time_split(stats: GenerationStats, step_ms: float, draft_ms: float) -> dict[str, float]:
     """ms per decode step. The forward (llama_decode) holds the draft (as the cost lanes measured it, on the
-    steps that ran one), the layers, the predictors and the verification; other is what the step costs
-    outside it (the schedule, records, the token's text); sample is apart."""
+    steps that ran one), the layers, the predictors and the verification; sample is the draw of the step's
+    token(s); other is what the step costs besides (the schedule, records, the token's text)."""
     if not stats.n_decode:
         return dict.fromkeys(TIME_PARTS, 0.0)
     ms = {key: value / stats.n_decode for key, value in stats.time_ms.items()}
@@ -521,6 +521,6 @@ def time_split(stats: GenerationStats, step_ms: float, draft_ms: float) -> dict[
         "predictor": ms["predictor"],
         "verify": ms["verify"],
         "batch": ms["batch"],
-        "other": step_ms - ms["forward"] - ms["batch"],
+        "other": step_ms - ms["forward"] - ms["batch"] - ms["sample"],
         "sample": ms["sample"],
     }

@@ -2,9 +2,10 @@
 own speculative decoding with prompt lookup) and the cost lanes take turns.
 
 Every lane decodes the same prompts, and within a prompt the lanes take turns token by token, so a
-change in machine speed (another process, thermal throttling) hits all of them alike. Only decode
-time is counted: the prompt, and the argmax or sampling of each token, are not. Vanilla and SpecEE
-pay alike for what a user's loop does with each token: detokenizing it and matching stop strings.
+change in machine speed (another process, thermal throttling) hits all of them alike. Only decoding
+is timed, not the prompt: each step with the argmax or sampling of its token, as llama-server's
+timings count them. Vanilla and SpecEE pay alike for what a user's loop does with each token:
+detokenizing it and matching stop strings.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def prompt_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
 
 
 class VanillaLane:
-    """The stock llama-cpp-python path: Llama.eval one token at a time; times eval, the token's text and the
-    stop-string matching. Greedy, or sampled by the engine's sampler, llama.cpp's chain (seeded per prompt, untimed)."""
+    """The stock llama-cpp-python path: Llama.eval one token at a time; times eval, the draw, the token's text and
+    the stop-string matching. Greedy, or sampled by the engine's sampler, llama.cpp's chain (seeded per prompt)."""
 
     def __init__(self, llm: Llama, max_tokens: int, is_eog: Callable[[int], bool], sampling: SamplingParams = GREEDY):
         self.llm = llm
@@ -72,10 +73,10 @@ class VanillaLane:
         self._stops.feed(self._text.decode(self.llm.detokenize([token])))
         self.llm.eval([token])
         # on an asynchronous backend (RPC workers, a GPU) llama_decode returns before the step has run, and Llama.eval
-        # reads no logits: the wait would fall into the untimed draw below
+        # reads no logits: the wait would fall into the draw, which does not say how long the step ran
         llama_cpp.llama_synchronize(self.llm.ctx)
-        self.timing.add(time.perf_counter() - start)
         self.outputs[-1].append(self._draw.from_context(self.llm.ctx))
+        self.timing.add(time.perf_counter() - start)
 
 
 class PeerLane:
@@ -129,7 +130,7 @@ class PeerLane:
 
 @dataclass
 class SpecEELane:
-    """One engine (one KV mode at one level) streaming; a step is one next() of its stream, less sampling."""
+    """One engine (one KV mode at one level) streaming; a step is one next() of its stream."""
 
     kv_mode: str
     engine: Engine
@@ -156,7 +157,7 @@ class SpecEELane:
         except StopIteration:
             self._stream = None
             return False
-        self.timing.add(time.perf_counter() - start - record.sample_ms / 1e3)
+        self.timing.add(time.perf_counter() - start)
         self.records[-1].append(record)
         return True
 
