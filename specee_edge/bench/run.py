@@ -174,6 +174,22 @@ def lane_label(lane: Lane) -> str:
     return lane.name
 
 
+def measure_costs(config: BenchConfig, prompts: Sequence[Sequence[int]], llm: Llama, engine: Engine, seq_ctx: int,
+                  reporter: Reporter) -> TokenCosts:
+    """The cost lanes, fed vanilla's greedy tokens, in a pass of their own. Stepped between the speed lanes' steps,
+    their 16 contexts evicted those lanes' caches: a step of the default model cost 3.7 % more in turns with 10 other
+    contexts than alone, which llama-server, answering a whole prompt at a time, never pays."""
+    lanes = cost_lanes(engine.model, draft_setup(engine), n_ctx=seq_ctx, n_threads=config.threads, k=engine.policy.k,
+                       flash_attn=config.flash_attn)
+    try:
+        run_interleaved(prompts, VanillaLane(llm, config.tokens, engine.model.is_eog), [], lanes,
+                        reporter.task("costs", len(prompts) * (config.tokens - 1)), workers=engine.model.workers)
+        return TokenCosts.fit([lanes])
+    finally:
+        for lane in lanes:
+            lane.ctx.close()
+
+
 def run_dropping(prompts, vanilla: VanillaLane, lanes: Sequence[Lane], fed, advance, dropped: list[str], what: str,
                  workers=()) -> set[int]:
     """run_interleaved; the lanes that failed become lines in `dropped`; returns their ids (id(lane))."""
@@ -220,17 +236,15 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
     server_stack = stack.enter_context(ExitStack())  # closed once the decoding passes are over
     servers = open_servers(config, server_stack, dropped)
 
-    # 1. speed: vanilla, SpecEE per KV mode and quality level, and the cost lanes, token by token in turns;
-    # vanilla's context is the engines' size (attention over a larger cache costs more)
+    # 1. speed: vanilla, SpecEE per KV mode and quality level and the peer token by token in turns, the servers
+    # prompt by prompt; vanilla's context is the engines' size (attention over a larger cache costs more)
     llm = Llama(model_path=str(config.model), n_ctx=ENGINE_CTX, n_threads=config.threads,
                 n_threads_batch=config.threads, verbose=False, **llama_kwargs(config))
     vanilla = VanillaLane(llm, config.tokens, model.is_eog)
     lanes = [SpecEELane(mode, engine, config.tokens) for mode, engine in engines]
     peer = peer_lane(config, model.is_eog) if config.peer else None
     server_lanes = [ServerLane(name, server, config.tokens) for name, server in servers.items()]
-    cost = cost_lanes(model, draft_setup(first), n_ctx=seq_ctx, n_threads=config.threads, k=k,
-                      flash_attn=config.flash_attn) if pack else []
-    gone = run_dropping(prompts, vanilla, [*lanes, *([peer] if peer else []), *server_lanes], cost,
+    gone = run_dropping(prompts, vanilla, [*lanes, *([peer] if peer else []), *server_lanes], [],
                         reporter.task("decoding, greedy", len(prompts) * (config.tokens - 1)), dropped, "greedy",
                         workers=model.workers)
     for (_, engine), lane in zip(engines, lanes):
@@ -250,11 +264,9 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
     rpc_result = rpc_report(model.workers, model.n_gpu_layers, vanilla) if model.workers else None
     categories = [p.category for p in selected]
     greedy_choices = [exact_choices(lane, vanilla, categories) for lane in lanes]
-    costs = TokenCosts.fit([cost]) if pack else None
-    for lane in cost:
-        lane.ctx.close()
+    costs = measure_costs(config, prompts, llm, first, seq_ctx, reporter) if pack else None
 
-    # 1b. the same without the cost lanes, with chat's default sampling: every lane draws from one seed per prompt
+    # 1b. the same lanes with chat's default sampling: every lane draws from one seed per prompt
     sampled: dict[int, SampledResult] = {}
     peer_sampled = None
     vanilla_sampled = None
