@@ -238,4 +238,5 @@ def test_serve_names_an_hf_model_as_llama_server_does(hub, tmp_path, monkeypatch
 
 def test_serve_refuses_an_empty_alias():
     result = subprocess.run([CLI, "serve", "-a", " "], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 1 and result.stderr.strip() == "error: --alias is empty: give the model a name, or leave the flag out"
+    assert result.returncode == 1
+    assert result.stderr.strip() == "error: --alias is empty: give the model a name, or leave the flag out"

@@ -176,9 +176,9 @@ def lane_label(lane: Lane) -> str:
 
 def measure_costs(config: BenchConfig, prompts: Sequence[Sequence[int]], llm: Llama, engine: Engine, seq_ctx: int,
                   reporter: Reporter) -> TokenCosts:
-    """The cost lanes, fed vanilla's greedy tokens, in a pass of their own. Stepped between the speed lanes' steps,
-    their 16 contexts evicted those lanes' caches: a step of the default model cost 3.7 % more in turns with 10 other
-    contexts than alone, which llama-server, answering a whole prompt at a time, never pays."""
+    """The cost lanes, fed vanilla's greedy tokens, in a pass of their own: the speed lanes step as a user's decoding
+    would, without 16 more contexts evicting their caches between steps (in a micro-benchmark, 10 other contexts in
+    turns made a step of the default model 3.7 % dearer than alone; llama-server answers whole prompts)."""
     lanes = cost_lanes(engine.model, draft_setup(engine), n_ctx=seq_ctx, n_threads=config.threads, k=engine.policy.k,
                        flash_attn=config.flash_attn)
     try:
