@@ -94,8 +94,8 @@ class ServerSetup:
 
     def args(self, port: int, extra: Sequence[str]) -> list[str]:
         return [str(self.binary), "-m", str(self.model), "-t", str(self.threads), "-tb", str(self.threads),
-                "-c", str(self.n_ctx), "-b", str(self.n_batch), "-ub", str(self.n_batch), "-fa", self.flash_attn, "-np", "1",
-                "--host", "127.0.0.1", "--port", str(port), *extra]
+                "-c", str(self.n_ctx), "-b", str(self.n_batch), "-ub", str(self.n_batch), "-fa", self.flash_attn,
+                "-np", "1", "--host", "127.0.0.1", "--port", str(port), *extra]
 
 
 def lane_args(name: str, draft_model: Path | None = None) -> list[str]:

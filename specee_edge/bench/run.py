@@ -365,7 +365,8 @@ def by_category(values: Sequence[float], categories: Sequence[str]) -> dict[str,
 
 def peer_lane(config: BenchConfig, is_eog, sampling: SamplingParams | None = None) -> PeerLane:
     kwargs = {"sampling": sampling} if sampling else {}
-    return PeerLane(str(config.model), ENGINE_CTX, config.threads, config.tokens, is_eog, llama_kwargs=llama_kwargs(config),
+    return PeerLane(str(config.model), ENGINE_CTX, config.threads, config.tokens, is_eog,
+                    llama_kwargs=llama_kwargs(config),
                     **kwargs)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-from llama_cpp import Llama, llama_cpp
+from llama_cpp import Llama
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 from specee_edge.engine import GREEDY, Engine, TokenRecord
@@ -71,11 +71,8 @@ class VanillaLane:
     def step(self, token: int) -> None:
         start = time.perf_counter()
         self._stops.feed(self._text.decode(self.llm.detokenize([token])))
-        self.llm.eval([token])
-        # on an asynchronous backend (RPC workers, a GPU) llama_decode returns before the step has run, and Llama.eval
-        # reads no logits: the wait would fall into the draw, which does not say how long the step ran
-        llama_cpp.llama_synchronize(self.llm.ctx)
-        self.outputs[-1].append(self._draw.from_context(self.llm.ctx))
+        self.llm.eval([token])  # on an asynchronous backend (RPC workers, a GPU) this returns before the step has run:
+        self.outputs[-1].append(self._draw.from_context(self.llm.ctx))  # reading the logits waits for it, timed too
         self.timing.add(time.perf_counter() - start)
 
 

@@ -12,7 +12,8 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specee_edge.cli.app import app, console, err_console, fail
-from specee_edge.cli.chat import RPC_TIMEOUT_S, FlashAttn, FlashAttnSetting, GpuLayers, HfFile, HfRepo, Rpc, RpcTimeout, TensorSplit, pick_model, set_placement
+from specee_edge.cli.chat import (RPC_TIMEOUT_S, FlashAttn, FlashAttnSetting, GpuLayers, HfFile, HfRepo, Rpc,
+                                  RpcTimeout, TensorSplit, pick_model, set_placement)
 from specee_edge.errors import SpecEEError
 
 REFRESH_S = 0.2

@@ -10,8 +10,9 @@ import typer
 
 from specee_edge.cli.app import app, console, fail
 from specee_edge.cli.chat import (RPC_TIMEOUT_S, ChatTemplate, CtxSize, EngineOptions, FlashAttn, FlashAttnSetting,
-                                  GpuLayers, HfFile, HfRepo, KvModeOpt, ModelArg, ModelOpt, PackOpt, Quality, Rpc, RpcTimeout, Speculation,
-                                  TensorSplit, Threads, chat_template_text, load_engine, pick_model)
+                                  GpuLayers, HfFile, HfRepo, KvModeOpt, ModelArg, ModelOpt, PackOpt, Quality, Rpc,
+                                  RpcTimeout, Speculation, TensorSplit, Threads, chat_template_text, load_engine,
+                                  pick_model)
 from specee_edge.errors import SpecEEError
 
 

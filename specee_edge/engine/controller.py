@@ -197,6 +197,11 @@ class AcceptanceCount:
         return self.accepted / seen if seen > 0 else default
 
 
+def accept_key(choice: Choice, greedy: bool, match: int) -> str:
+    """An acceptance count's name in the snapshot: "lookup after 4+/greedy" (match 0: every round of the kind)."""
+    return f"{choice.value}{f' after {match}+' if match else ''}/{'greedy' if greedy else 'sampled'}"
+
+
 @dataclass
 class ExitPrior:
     """What a pack says of its exits, the starting guess until this machine has measured them."""
@@ -248,7 +253,8 @@ class Controller:
         (0: over every lookup round). A bucket's is the mean of its own rate and lookup's over all rounds."""
         if choice == Choice.LOOKUP and match:
             return (self._rate((choice, greedy, match), LOOKUP_PRIOR[match]) + self.acceptance(choice, greedy)) / 2
-        return self._rate((choice, greedy, 0), self.exit_prior.acceptance if choice == Choice.EXIT else PRIOR_ACCEPTANCE)
+        default = self.exit_prior.acceptance if choice == Choice.EXIT else PRIOR_ACCEPTANCE
+        return self._rate((choice, greedy, 0), default)
 
     def _rate(self, key: tuple[Choice, bool, int], default: float) -> float:
         count = self._request.get(key)
@@ -416,6 +422,5 @@ class Controller:
             "first_step_exits": rounded(self.first_exits),
             # the chance that a draft is accepted once those before it were: accepted / (accepted + rejections),
             # what prices a round (not acceptance_rate, accepted / drafted, which counts drafts after a rejection)
-            "accept_chance": {f"{choice.value}{f' after {match}+' if match else ''}/{'greedy' if greedy else 'sampled'}":
-                              round(count.rate(), 3) for (choice, greedy, match), count in sorted(self._lifetime.items())},
+            "accept_chance": {accept_key(*key): round(count.rate(), 3) for key, count in sorted(self._lifetime.items())},
         }
