@@ -175,9 +175,9 @@ def copy_sources(llama_dir: Path) -> None:
 
 
 def compute_key(cmake_args: str, patches: list[Path], python: bool = True, ours: bool = True) -> str:
-    """Hash everything that determines the build into a cache key (python: the wheel's Python tag too; a
-    program such as llama-server does not depend on it; ours: our sources and patches too, which a program that
-    never calls the specee API, such as llama-server, runs with every hook idle: any patch set builds it alike)."""
+    """Hash everything that determines the build into a cache key: `patches` (those the build depends on), and with
+    python the wheel's Python tag (a program such as llama-server does not depend on it), with ours our sources
+    (a program that never calls the specee API, such as llama-server, runs their hooks idle)."""
     digest = hashlib.sha256()
 
     def add(label: str, data: bytes) -> None:
@@ -189,7 +189,7 @@ def compute_key(cmake_args: str, patches: list[Path], python: bool = True, ours:
     for source in source_files() if ours else ():
         add("source-name", source.name.encode())
         add("source-bytes", source.read_bytes())
-    for patch in patches if ours else ():
+    for patch in patches:
         add("patch-name", patch.name.encode())
         add("patch-bytes", patch.read_bytes())
     add("cmake", cmake_args.encode())

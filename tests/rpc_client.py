@@ -1,10 +1,13 @@
 """The client side of tests/test_rpc.py, run in its own process: registering RPC workers with ggml lasts
 as long as the process, and the test process goes on to load models that must not see them.
 
-    python -m tests.rpc_client compare PACK N_GPU_LAYERS HOST:PORT,...   one JSON line: tokens, exits, replies
-    python -m tests.rpc_client kill PACK N_GPU_LAYERS HOST:PORT,...      waits for a line on stdin mid-reply
-    python -m tests.rpc_client local_stop PACK N_GPU_LAYERS HOST:PORT,...  the replies a token stopped before the
-                                                                          first remote layer waits for
+    python -m tests.rpc_client compare PACK LAYERS HOST:PORT,...   one JSON line: tokens, exits, replies, devices
+    python -m tests.rpc_client kill PACK LAYERS HOST:PORT,...      waits for a line on stdin mid-reply
+    python -m tests.rpc_client local_stop PACK LAYERS HOST:PORT,...  the replies a token stopped before the first
+                                                                    remote layer waits for
+
+LAYERS is -ngl's count (llama.cpp's placement: the last layers on the workers), or first:N for SpecEE's (the
+first layers on the workers, --offload-first).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from specee_edge.default_model import default_model_path
 from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.errors import SpecEEError
 from specee_edge.pack import parse_quality
-from specee_edge.runtime import Model, rpc
+from specee_edge.runtime import Model, placement, rpc
 from specee_edge.runtime.costs import CostLane, DraftSetup, checked_context
 
 QUESTIONS = ("Explain why the sky is blue.",)  # its answers exit on both sides of the split, flash attention on or off
@@ -44,11 +47,20 @@ def all_answers(engine: Engine) -> dict[str, list[dict]]:
     return {mode: [answer(engine, mode, q) for q in QUESTIONS] for mode in MODES}
 
 
-def compare(pack: str, n_gpu_layers: int, endpoints: tuple[rpc.Endpoint, ...]) -> dict:
+def use_workers(layers: str, endpoints: tuple[rpc.Endpoint, ...]) -> placement.Placement:
+    """Connect the workers and make LAYERS (see the module docstring) every later model's placement."""
+    first = layers.startswith("first:")
+    chosen = placement.Placement(int(layers.removeprefix("first:")), (1.0,) * len(endpoints), offload_first=first)
+    rpc.connect(endpoints)
+    placement.set_default(chosen)
+    return chosen
+
+
+def compare(pack: str, layers: str, endpoints: tuple[rpc.Endpoint, ...]) -> dict:
     local = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS, speculation="always"))
     on_one_machine = all_answers(local)
     local.close()
-    rpc.set_placement(endpoints, rpc.Offload(n_gpu_layers, (1.0,) * len(endpoints)))
+    use_workers(layers, endpoints)
     split = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS, speculation="always"))
     across, used = {}, {}
     for mode in MODES:
@@ -56,16 +68,17 @@ def compare(pack: str, n_gpu_layers: int, endpoints: tuple[rpc.Endpoint, ...]) -
         across[mode] = [answer(split, mode, q) for q in QUESTIONS]
         used[mode] = rpc.replies(endpoints) - start
     bare_ms = [rpc.round_trip_ms(e) for e in endpoints]
+    devices = split.model.layer_devices()
     split.close()
     steps = {mode: sum(len(a["tokens"]) for a in across[mode]) for mode in MODES}
     return {"local": on_one_machine, "rpc": across,
             "replies_per_token": {m: used[m].count / steps[m] for m in MODES},
             "wait_ms_per_token": {m: used[m].wait_ms / steps[m] for m in MODES},
-            "bare_round_trip_ms": bare_ms, "n_layer": split.n_layer}
+            "bare_round_trip_ms": bare_ms, "n_layer": split.n_layer, "devices": devices}
 
 
-def kill(pack: str, n_gpu_layers: int, endpoints: tuple[rpc.Endpoint, ...]) -> dict:
-    rpc.set_placement(endpoints, rpc.Offload(n_gpu_layers, (1.0,) * len(endpoints)))
+def kill(pack: str, layers: str, endpoints: tuple[rpc.Endpoint, ...]) -> dict:
+    use_workers(layers, endpoints)
     engine = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS, speculation="always"))
     engine.set_quality(parse_quality("0.9"))
     prompt = engine.tokenize(engine.format_chat([{"role": "user", "content": QUESTIONS[0]}]))
@@ -84,14 +97,14 @@ def kill(pack: str, n_gpu_layers: int, endpoints: tuple[rpc.Endpoint, ...]) -> d
     except SpecEEError as e:
         errors.append(f"{type(e).__name__}: {e}")
     engine.close()
-    rpc.set_placement((), rpc.Offload())  # layers on this machine again: a fresh engine works
+    placement.set_default(placement.Placement())  # layers on this machine again: a fresh engine works
     local = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS, speculation="always"))
     after = local.generate(prompt, max_tokens=8, sampling=GREEDY).tokens
     local.close()
     return {"first": first, "errors": errors, "local_after": after}
 
 
-def local_stop(pack: str, n_gpu_layers: int, endpoints: tuple[rpc.Endpoint, ...]) -> dict:
+def local_stop(pack: str, layers: str, endpoints: tuple[rpc.Endpoint, ...]) -> dict:
     """A context with the pack's draft head and a check after a layer on this machine that stops every token
     (head-free): the replies a token waits for although the workers' layers never run."""
     engine = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS))
@@ -101,8 +114,8 @@ def local_stop(pack: str, n_gpu_layers: int, endpoints: tuple[rpc.Endpoint, ...]
     setup = DraftSetup(engine.policy.draft.runtime_args(), (mlp.weights, mlp.biases))
     k, n_layer = engine.policy.k, engine.n_layer
     engine.close()
-    rpc.set_placement(endpoints, rpc.Offload(n_gpu_layers, (1.0,) * len(endpoints)))
-    layer = n_layer - n_gpu_layers - 2  # two before the first remote layer
+    chosen = use_workers(layers, endpoints)
+    layer = chosen.offloaded(n_layer).index(True) - 2  # two before the first remote layer (llama.cpp's placement)
     lane = CostLane("stop", checked_context(Model(default_model_path()), setup, [layer], threshold=-1.0, n_ctx=512,
                                             n_threads=THREADS, k=k), layer + 1)
     lane.start(prompt)
@@ -118,4 +131,4 @@ def local_stop(pack: str, n_gpu_layers: int, endpoints: tuple[rpc.Endpoint, ...]
 if __name__ == "__main__":
     command, pack_path, layers, workers = sys.argv[1:5]
     run = {"compare": compare, "kill": kill, "local_stop": local_stop}[command]
-    print(json.dumps(run(pack_path, int(layers), rpc.parse_endpoints(workers))), flush=True)
+    print(json.dumps(run(pack_path, layers, rpc.parse_endpoints(workers))), flush=True)

@@ -22,6 +22,7 @@ from llama_cpp import llama_cpp as _llama
 from specee_edge.bench.quality import NEAR_TIE
 from specee_edge.exits import ExitKind
 from specee_edge.runtime import Context, Model
+from specee_edge.runtime.placement import Placement
 from tests.conftest import SUPPORTED_VARIANTS, supported_model_path
 from tests.test_exits import PROMPT, always, drafted_context
 from tests.test_runtime import TINY_PROMPT, early_exit_context, forced_exit_run, greedy, stop_at, top_k
@@ -49,7 +50,7 @@ def offload(request) -> int:
 def models(request, tiny_dir, offload) -> tuple[Model, Model]:
     """The same tiny model on the CPU and offloaded."""
     path = supported_model_path(tiny_dir, request.param)
-    cpu, gpu = Model(path), Model(path, n_gpu_layers=offload)
+    cpu, gpu = Model(path), Model(path, placement=Placement(offload))
     assert cpu.info.n_layer == N_LAYER
     return cpu, gpu
 

@@ -2,10 +2,11 @@
 (pytest -m gpu: `make test-vulkan` runs it on Mesa's lavapipe).
 
 tests/test_gpu.py checks the runtime's parts on tiny random models; here the engine answers with the real
-model and its pack, offloaded fully and in part (its last DEVICE_LAYERS layers, so that the pack's exits,
-which fire from layer 20 on, leave on both sides of the split). Exact mode's rounds, lookup and exit drafts
-checked in batches on the device, must give the CPU's greedy tokens except at near-ties (the bench's
-divergence rule), and a lossy level's exits must fire on layers on either side of the split.
+model and its pack, offloaded fully and in part: llama.cpp's way (its last DEVICE_LAYERS layers) and SpecEE's
+(--offload-first: its first FIRST_DEVICE_LAYERS, the CPU keeping the last six), so that the pack's exits, which
+fire from layer 20 on, leave on both sides of the split. Exact mode's rounds, lookup and exit drafts checked in
+batches on the device, must give the CPU's greedy tokens except at near-ties (the bench's divergence rule), and
+a lossy level's exits must fire on layers on either side of the split, which is where the placement says.
 """
 
 from __future__ import annotations
@@ -16,20 +17,23 @@ from specee_edge.bench.quality import NEAR_TIE, divergence_margins
 from specee_edge.default_model import default_model_path
 from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.runtime import Context
+from specee_edge.runtime.placement import Placement
 from tests.test_controller_runtime import EDIT
 from tests.test_exact import assert_cache_holds_the_reply, prompt_of
 from tests.test_gpu import offload_available
 
 pytestmark = pytest.mark.gpu
 
-DEVICE_LAYERS = 6  # partial offload: layers 24..29 of SmolLM2's 30 on the device, 0..23 (and the head) on the CPU
-OFFLOADS = {"partial": DEVICE_LAYERS, "full": 99}
+DEVICE_LAYERS = 6  # partial offload: layers 25..29 of SmolLM2's 30 and the head on the device, 0..24 on the CPU
+FIRST_DEVICE_LAYERS = 25  # --offload-first: layers 0..23 and the head on the device, 24..29 on the CPU
+OFFLOADS = {"partial": Placement(DEVICE_LAYERS), "first": Placement(FIRST_DEVICE_LAYERS, offload_first=True),
+            "full": Placement(99)}
 QUESTIONS = [EDIT, "Write a short story about a robot who learns to paint.", "Explain how a bicycle works."]
 N_TOKENS = 48
 
 
-def engine(n_gpu_layers: int | None, **config) -> Engine:
-    return Engine(default_model_path(), config=EngineConfig(n_ctx=1024, n_threads=2, n_gpu_layers=n_gpu_layers,
+def engine(placement: Placement | None, **config) -> Engine:
+    return Engine(default_model_path(), config=EngineConfig(n_ctx=1024, n_threads=2, placement=placement,
                                                             **config))
 
 
@@ -48,15 +52,15 @@ def answers(engine: Engine) -> tuple[list[list[int]], list[list[int]], list[int 
 
 
 @pytest.fixture(scope="module", params=list(OFFLOADS))
-def n_gpu_layers(request) -> int:
+def placement(request) -> Placement:
     if not offload_available():
         pytest.skip("this llama-cpp-python build has no GPU backend (make test-vulkan builds one)")
     return OFFLOADS[request.param]
 
 
-def test_exact_rounds_on_the_device_give_the_cpus_tokens_but_at_near_ties(n_gpu_layers):
+def test_exact_rounds_on_the_device_give_the_cpus_tokens_but_at_near_ties(placement):
     """Speculation "always": every chance to draft is a batch on the device, lookup and exit drafts both."""
-    offloaded, on_cpu = engine(n_gpu_layers, speculation="always"), engine(None, speculation="always")
+    offloaded, on_cpu = engine(placement, speculation="always"), engine(Placement(), speculation="always")
     try:
         prompts, replies, _ = answers(offloaded)
         stats = offloaded.stats
@@ -71,15 +75,17 @@ def test_exact_rounds_on_the_device_give_the_cpus_tokens_but_at_near_ties(n_gpu_
         on_cpu.close()
 
 
-def test_a_lossy_levels_exits_fire_on_both_sides_of_the_split(n_gpu_layers):
-    offloaded = engine(n_gpu_layers, quality=0.9)
+def test_a_lossy_levels_exits_fire_on_both_sides_of_the_split(placement):
+    offloaded = engine(placement, quality=0.9)
     try:
         assert not offloaded.exact
+        devices = offloaded.model.layer_devices()
         _, _, exit_layers = answers(offloaded)
     finally:
         offloaded.close()
+    on_device = placement.offloaded(offloaded.n_layer)
+    assert [device != "CPU" for device in devices] == on_device, devices  # llama.cpp's map is the one predicted
     exits = [layer for layer in exit_layers if layer is not None]
-    first_on_device = max(offloaded.n_layer - n_gpu_layers, 0)
-    assert any(layer >= first_on_device for layer in exits), exits
-    if n_gpu_layers < offloaded.n_layer:
-        assert any(layer < first_on_device for layer in exits), exits
+    assert any(on_device[layer] for layer in exits), exits
+    if not all(on_device):
+        assert any(not on_device[layer] for layer in exits), exits

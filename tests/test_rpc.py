@@ -30,6 +30,8 @@ from tests.test_exact import exact_pack  # noqa: F401  (the shipped pack with an
 
 CLI = Path(sys.executable).with_name("specee-edge")
 N_GPU_LAYERS = 20  # SmolLM2's 30 layers: 0-10 on the client, 11-29 and the output head on the two workers
+FIRST_LAYERS = 24  # --offload-first: 0-22 and the output head on the workers, 23-29 on the client (the shipped
+#                    pack's exits fire on both sides)
 START_TIMEOUT_S = 30.0
 
 
@@ -71,8 +73,8 @@ def workers():
         stop(worker)
 
 
-def client(command: str, pack: Path, workers: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.rpc_client", command, str(pack), str(N_GPU_LAYERS), workers],
+def client(command: str, pack: Path, workers: str, layers: str = str(N_GPU_LAYERS), **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.rpc_client", command, str(pack), layers, workers],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
@@ -95,6 +97,27 @@ def test_a_model_split_across_two_workers_answers_as_on_one_machine(workers, exa
     assert result["replies_per_token"]["plain"] >= 1
     assert result["replies_per_token"]["lossy"] > result["replies_per_token"]["plain"]
     print(json.dumps({k: result[k] for k in ("replies_per_token", "wait_ms_per_token", "bare_round_trip_ms")}))
+
+
+def test_spec_ees_placement_puts_the_first_layers_on_the_workers_and_answers_as_on_one_machine(workers, exact_pack):  # noqa: F811
+    """--offload-first (patch 0013): -ngl's count, but the first layers and the output go to the workers, so that a
+    token leaving early skips the client's layers; answers, exits and logits stay the one machine's."""
+    proc = client("compare", exact_pack, workers, layers=f"first:{FIRST_LAYERS}")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    result = json.loads(out.splitlines()[-1])
+    *layers, output = result["devices"]
+    on_workers = FIRST_LAYERS - 1  # the output layer is one of -ngl's
+    assert all(d.startswith("RPC") for d in layers[:on_workers]) and output.startswith("RPC"), result["devices"]
+    assert all(d == "CPU" for d in layers[on_workers:]), result["devices"]
+    for mode in ("plain", "lossy", "exact"):
+        for local, remote in zip(result["local"][mode], result["rpc"][mode]):
+            assert remote["tokens"] == local["tokens"], mode
+            assert remote["exits"] == local["exits"], mode
+            assert remote["last_logits"] == local["last_logits"], mode
+    # exits after the workers' layers (the client's layers then never run), and after the client's
+    exits = [il for mode in ("lossy", "exact") for answer in result["rpc"][mode] for il in answer["exits"] if il is not None]
+    assert any(il < on_workers for il in exits) and any(il >= on_workers for il in exits), exits
 
 
 def test_a_stop_before_the_first_remote_layer_sends_the_workers_nothing(workers, exact_pack):  # noqa: F811

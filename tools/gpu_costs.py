@@ -47,6 +47,7 @@ from specee_edge.runtime.costs import (  # noqa: E402
     CostLane, DraftSetup, TokenCosts, checked_context, cost_lanes, time_rounds,
 )
 from specee_edge.runtime.model import Model  # noqa: E402
+from specee_edge.runtime.placement import Placement  # noqa: E402
 from specee_edge.shipped import shipped_dir  # noqa: E402
 from tests.tiny_gguf import TinyConfig, write_tiny_model  # noqa: E402
 
@@ -144,11 +145,11 @@ class ShapeCosts:
     predictions: list[dict] = field(default_factory=list)
 
 
-def measure(path: Path, shape: Shape, pack: Pack, *, gpu_layers: int, threads: int, rounds: int, tokens: int
+def measure(path: Path, shape: Shape, pack: Pack, *, placement: Placement, threads: int, rounds: int, tokens: int
             ) -> ShapeCosts:
     config = shape.config
     setup = random_setup(config.n_embd, config.n_vocab, pack)
-    probe = Model(path, n_gpu_layers=0)
+    probe = Model(path, placement=Placement())
     prompt = probe.tokenize(PROMPT)
     probe.close()
     answer = prompt + np.random.default_rng(1).integers(4, config.n_vocab, tokens + 8).tolist()
@@ -163,7 +164,7 @@ def measure(path: Path, shape: Shape, pack: Pack, *, gpu_layers: int, threads: i
                 *(BatchLane(f"batch{r}", context([config.n_layer - 1], 1.0), config.n_layer, rows=r)
                   for r in BATCH_ROWS)]
 
-    timed = time_rounds(path, lanes, [(answer, len(prompt))], rounds=rounds, seed=0, n_gpu_layers=gpu_layers)
+    timed = time_rounds(path, lanes, [(answer, len(prompt))], rounds=rounds, seed=0, placement=placement)
     costs = TokenCosts.fit(timed)
     median = lambda name: float(np.median(np.concatenate([[*lane.samples] for lanes_ in timed for lane in lanes_
                                                           if lane.name == name])))
@@ -271,6 +272,8 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, default=None, help="where the models are written (default: /dev/shm if "
                         "it has room, else the system's temporary folder); they are removed after timing")
     parser.add_argument("--gpu-layers", "-ngl", type=int, default=99, help="layers offloaded (llama.cpp's -ngl)")
+    parser.add_argument("--offload-first", action="store_true", help="offload the first layers, not the last "
+                        "(SpecEE's placement: specee_edge/runtime/placement.py)")
     parser.add_argument("-t", "--threads", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--rounds", type=int, default=2, help="rounds, each on a freshly loaded model")
     parser.add_argument("--tokens", type=int, default=16, help="timed tokens per round")
@@ -299,7 +302,8 @@ def main() -> int:
         stamp(console, f"{shape.name}: {path.stat().st_size / 1e9:.2f} GB written; timing on {where}")
         pack = read_pack(shipped_dir() / shape.pack)
         try:
-            measured = measure(path, shape, pack, gpu_layers=args.gpu_layers, threads=args.threads,
+            measured = measure(path, shape, pack, placement=Placement(args.gpu_layers, offload_first=args.offload_first),
+                               threads=args.threads,
                                rounds=args.rounds, tokens=args.tokens)
         finally:
             path.unlink()

@@ -23,6 +23,7 @@ from specee_edge.default_model import default_model_path
 from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.runtime import Model, rpc
 from specee_edge.runtime.costs import CostLane, DraftSetup, checked_context, lane_context
+from specee_edge.runtime.placement import Placement
 
 PROMPT = "Explain what a compiler does, step by step."
 
@@ -83,9 +84,9 @@ def main() -> None:
 
     first_remote = n_layer + 1 - args.n_gpu_layers
     layers = {"client": first_remote - 2, "worker": (first_remote + n_layer) // 2}
-    local = Model(default_model_path(), n_gpu_layers=0)
-    rpc.set_placement(workers, rpc.Offload(args.n_gpu_layers, (1.0,) * len(workers)))
-    split = Model(default_model_path())
+    local = Model(default_model_path(), placement=Placement())
+    rpc.connect(workers)
+    split = Model(default_model_path(), placement=Placement(args.n_gpu_layers, (1.0,) * len(workers)))
     figures = run({"one machine": (lanes(local, setup, layers, args.threads, k), ()),
                    "split": (lanes(split, setup, layers, args.threads, k), workers)}, prompt, tokens[:-1])
     bare = [rpc.round_trip_ms(w) for w in workers]

@@ -44,6 +44,14 @@ int32_t llama_specee_supported(const llama_model * model) {
     return llama_specee_arch_of(*model) && model->output && model->output_norm && !model->output_norm_b && !model->output_s ? 1 : 0;
 }
 
+const char * llama_specee_layer_device(const llama_model * model, int32_t il) {
+    const int32_t n_layer = llama_model_n_layer(model);
+    if (il < 0 || il > n_layer) {
+        return nullptr;
+    }
+    return ggml_backend_dev_name(il == n_layer ? model->dev_output() : model->dev_layer(il));
+}
+
 int32_t llama_specee_enable(llama_context * ctx, int32_t n_cand, llama_specee_kv_mode kv_mode) {
     if (!llama_specee_supported(&ctx->get_model())) {
         LLAMA_LOG_ERROR("%s: early exit does not support the %s architecture\n", __func__, llm_arch_name(ctx->get_model().arch));

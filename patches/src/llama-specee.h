@@ -84,6 +84,11 @@ struct llama_specee_decision {
 // 1 if the model's architecture supports early exit, 0 otherwise
 LLAMA_API int32_t llama_specee_supported(const struct llama_model * model);
 
+// the device that runs layer il of the model (n_layer: the output layer), as ggml names it ("CPU", "CUDA0",
+// "RPC[host:port]", ...), or NULL for a layer out of [0, n_layer]. Follows -ngl and the placement key
+// specee.offload_first (SpecEE's: the first layers on the devices)
+LLAMA_API const char * llama_specee_layer_device(const struct llama_model * model, int32_t il);
+
 // the i-th architecture early exit supports: its llama.cpp name and whether its LM head's logits are
 // soft-capped; returns 0, or -1 past the end of the table
 LLAMA_API int32_t llama_specee_arch(int32_t i, const char ** name, int32_t * softcap);

@@ -30,6 +30,7 @@ from specee_edge.bench.runner import prompt_sampling
 from specee_edge.engine.sampling import GREEDY, SamplingParams
 from specee_edge.errors import SpecEEError
 from specee_edge.runtime.costs import Timing
+from specee_edge.runtime.placement import Placement
 
 PLAIN = "llama-server"  # the plain lane's name; a speculative lane is named by its --spec-type, or `draft`
 # llama.cpp's self-speculative types (common/speculative.cpp), each a lane behind --spec-type
@@ -91,10 +92,13 @@ class ServerSetup:
     n_ctx: int
     flash_attn: str = "auto"  # -fa, as the bench's other lanes run
     n_batch: int = 512  # llama-cpp-python's Llama default, which the bench's other lanes use
+    placement: Placement = field(default_factory=Placement)  # the bench's split, pinned (-ngl, -ts, --fit off, ...)
 
     def args(self, port: int, extra: Sequence[str]) -> list[str]:
+        # --swa-full: a sliding-window model keeps every token's K/V, as the engine's contexts do
         return [str(self.binary), "-m", str(self.model), "-t", str(self.threads), "-tb", str(self.threads),
                 "-c", str(self.n_ctx), "-b", str(self.n_batch), "-ub", str(self.n_batch), "-fa", self.flash_attn,
+                *self.placement.llama_server_args(), "--swa-full",
                 "-np", "1", "--host", "127.0.0.1", "--port", str(port), *extra]
 
 

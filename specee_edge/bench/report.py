@@ -78,7 +78,6 @@ class RpcResult:
     """The run's RPC workers: a bare round trip, and vanilla's round trips (the lanes' are in their ModeResult)."""
 
     workers: list[str]
-    n_gpu_layers: int
     bare_round_trip_ms: float         # median of a device-memory query: the least a stop after a remote layer adds
     vanilla: RoundTrips
 
@@ -172,6 +171,7 @@ class BenchResult:
     lookup_replay: dict[str, dict[str, float]] = field(default_factory=dict)
     lookup_replay_sampled: dict[str, dict[str, float]] = field(default_factory=dict)
     rpc: RpcResult | None = None                # layers on RPC workers (--rpc)
+    placement: str = ""                         # where every lane's layers ran (runtime.placement; all lanes alike)
     baseline: str = LLAMA_CPP_PYTHON            # the lane every speed-up is against: llama-server plain where it ran
     baseline_sampled: str | None = None         # ... in the sampled pass
     tools: dict[str, ToolLane] = field(default_factory=dict)  # llama-server's lanes and llama-cpp-python's Llama
@@ -226,7 +226,7 @@ class BenchResult:
     def _round_trips(self) -> Table:
         """--rpc: per greedy step, the replies each lane waited for from the workers and the time spent waiting."""
         rpc = self.rpc
-        table = Table(title=f"RPC round trips per step: {', '.join(rpc.workers)} hold the last {rpc.n_gpu_layers} layers;"
+        table = Table(title=f"RPC round trips per step: {', '.join(rpc.workers)} (placement above);"
                             f" a bare round trip {rpc.bare_round_trip_ms:.3f} ms", box=box.SIMPLE_HEAD,
                       caption="waiting includes the workers' compute of the graphs sent before each reply")
         for name in ("lane", "speed-up", "round trips", "ms waiting", "share of step"):
@@ -278,6 +278,7 @@ class BenchResult:
                     f"{' and sampled (temperature 0.8, seeded)' if self.vanilla_sampled_tok_s else ''}, "
                     f"{self.threads} thread{'s' if self.threads != 1 else ''}, {self.seconds:.0f} s"),
             ("pack", f"{self.pack} (k = {self.k})"),
+            ("placement", self.placement),
             ("vanilla", f"{self.vanilla_tok_s:.1f} tok/s ({1e3 / self.vanilla_tok_s if self.vanilla_tok_s else 0:.2f} ms per step)"
                         + (f", sampled {self.vanilla_sampled_tok_s:.1f} tok/s" if self.vanilla_sampled_tok_s else "")),
             ("oracle_speedup", f"verified {self.oracle_speedup:.3f}x, head-free {self.oracle_head_free_speedup:.3f}x"

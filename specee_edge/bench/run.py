@@ -29,7 +29,7 @@ from specee_edge.engine.sampling import SamplingParams
 from specee_edge.engine.exit import find_pack
 from specee_edge.errors import SpecEEError
 from specee_edge.pack import EXACT_QUALITY, Pack, parse_quality, read_pack
-from specee_edge.runtime import Context, rpc
+from specee_edge.runtime import Context, placement, rpc
 from specee_edge.runtime.costs import DraftSetup, Timing, TokenCosts, cost_lanes
 from specee_edge.runtime.weights import TargetWeights
 from specee_edge.threads import default_threads
@@ -154,7 +154,8 @@ def open_servers(config: BenchConfig, stack: ExitStack, dropped: list[str]) -> d
     (success, error or Ctrl+C); a lane whose server does not start is a line in `dropped`."""
     if config.llama_server is None:
         return {}
-    setup = ServerSetup(config.llama_server, config.model, config.threads, ENGINE_CTX, config.flash_attn)
+    setup = ServerSetup(config.llama_server, config.model, config.threads, ENGINE_CTX, config.flash_attn,
+                        placement=placement.default())
     servers = {}
     for name in [PLAIN, *config.spec_types, *([DRAFT] if config.draft_model else [])]:
         try:
@@ -261,7 +262,8 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
     # every speed-up is against llama-server plain; against llama-cpp-python's Llama where that lane did not run
     plain = next((lane for lane in server_lanes if lane.name == PLAIN), None)
     base = plain.timing if plain else vanilla.timing
-    rpc_result = rpc_report(model.workers, model.n_gpu_layers, vanilla) if model.workers else None
+    rpc_result = rpc_report(model.workers, vanilla) if model.workers else None
+    where = model.placement_text()  # read now: the engines, and their models, are closed before the report
     categories = [p.category for p in selected]
     greedy_choices = [exact_choices(lane, vanilla, categories) for lane in lanes]
     costs = measure_costs(config, prompts, llm, first, seq_ctx, reporter) if pack else None
@@ -355,7 +357,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
         repetition_sampled_by_category=by_category(repeated_sampled, categories) if vanilla_sampled else {},
         looping_answers_sampled=sum(share >= LOOP_SHARE for share in repeated_sampled),
         lookup_replay=lookup_replay, lookup_replay_sampled=lookup_replay_sampled,
-        seconds=time.perf_counter() - start, command=config.command, rpc=rpc_result,
+        seconds=time.perf_counter() - start, command=config.command, rpc=rpc_result, placement=where,
     )
 
 
@@ -493,18 +495,18 @@ def round_trips(timing: Timing) -> RoundTrips:
     return RoundTrips(timing.replies.count / steps, timing.replies.wait_ms / steps)
 
 
-def rpc_report(workers: tuple[rpc.Endpoint, ...], n_gpu_layers: int, vanilla: VanillaLane) -> RpcResult:
+def rpc_report(workers: tuple[rpc.Endpoint, ...], vanilla: VanillaLane) -> RpcResult:
     bare = float(np.mean([rpc.round_trip_ms(worker) for worker in workers]))
-    return RpcResult([str(w) for w in workers], n_gpu_layers, bare, round_trips(vanilla.timing))
+    return RpcResult([str(w) for w in workers], bare, round_trips(vanilla.timing))
 
 
 def llama_kwargs(config: BenchConfig) -> dict:
     """llama-cpp-python's Llama arguments for this process's placement (-ngl, -ts, --rpc) and the bench's flash
     attention, so that the vanilla and peer lanes put their layers where the engines do and run the same kernels
     (Llama's flash_attn is on or off: auto is on wherever it can run, and the engines' devices can)."""
-    offload = rpc.default_offload()
-    return {"n_gpu_layers": offload.n_gpu_layers, "tensor_split": list(offload.tensor_split) or None,
-            "flash_attn": config.flash_attn != "off"}
+    chosen = placement.default()
+    return {"n_gpu_layers": chosen.n_gpu_layers, "tensor_split": list(chosen.tensor_split) or None,
+            "kv_overrides": chosen.kv_overrides() or None, "flash_attn": config.flash_attn != "off"}
 
 
 def verify_cost(stats: GenerationStats, vanilla: VanillaLane) -> float | None:

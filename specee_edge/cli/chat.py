@@ -35,6 +35,9 @@ CtxSize = Annotated[int, typer.Option("-c", "--ctx-size", help="context size in 
 GpuLayers = Annotated[str | None, typer.Option("-ngl", "--n-gpu-layers", show_default=False,
                                                 help="layers to offload to the GPU or the --rpc workers: a number, or all"
                                                      " (default: all with --rpc, else 0)")]
+OffloadFirst = Annotated[bool, typer.Option("--offload-first", help=(
+    "SpecEE's placement: -ngl offloads the FIRST layers (and the output layer) instead of llama.cpp's last ones, so"
+    " that a token leaving early skips the layers left on the CPU; same -ngl, same device memory"))]
 Rpc = Annotated[str | None, typer.Option("--rpc", show_default=False, help=(
     "comma-separated RPC workers (HOST:PORT, each running `specee-edge rpc-worker`): the offloaded layers go to them,"
     " as llama.cpp's --rpc; the first layers stay on this machine. RPC has no authentication: trusted networks only"))]
@@ -109,6 +112,7 @@ class EngineOptions:
     rpc: str | None = None
     tensor_split: str | None = None
     rpc_timeout: float = RPC_TIMEOUT_S
+    offload_first: bool = False
     speculation: str = "auto"
     flash_attn: str = "auto"
 
@@ -130,7 +134,7 @@ def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str,
     label = opts.model or _registry_name(model_path) or str(model_path)
     if opts.threshold is not None and not 0.0 <= opts.threshold <= 1.0:
         raise SpecEEError(f"--threshold is a probability: 0..1, got {opts.threshold:g}")
-    set_placement(opts.rpc, opts.n_gpu_layers, opts.tensor_split, opts.rpc_timeout)
+    set_placement(opts.rpc, opts.n_gpu_layers, opts.tensor_split, opts.rpc_timeout, opts.offload_first)
     config = EngineConfig(n_ctx=opts.n_ctx, n_threads=opts.threads or default_threads(), kv_mode=opts.kv_mode,
                           quality=parse_quality(opts.quality), threshold=opts.threshold, early_exit=opts.early_exit,
                           speculation=opts.speculation, flash_attn=opts.flash_attn)
@@ -161,27 +165,16 @@ def _registry_name(model_path: Path) -> str | None:
 
 
 def set_placement(rpc_workers: str | None, n_gpu_layers: str | None, tensor_split: str | None,
-                  rpc_timeout: float = RPC_TIMEOUT_S) -> None:
-    """-ngl, -ts, --rpc and --rpc-timeout: where every model this command loads puts its layers (the workers are
-    connected now, so that one that is not there is an error before anything loads)."""
-    from specee_edge.runtime import rpc
+                  rpc_timeout: float = RPC_TIMEOUT_S, offload_first: bool = False) -> None:
+    """-ngl, -ts, --offload-first, --rpc and --rpc-timeout: where every model this command loads puts its layers
+    (the workers are connected now, so that one that is not there is an error before anything loads)."""
+    from specee_edge.runtime import placement, rpc
 
     endpoints = rpc.parse_endpoints(rpc_workers) if rpc_workers is not None else ()
-    layers = parse_gpu_layers(n_gpu_layers if n_gpu_layers is not None else "all" if endpoints else "0")
-    try:
-        shares = tuple(float(x) for x in tensor_split.split(",")) if tensor_split else ()
-    except ValueError:
-        raise SpecEEError(f"-ts/--tensor-split takes comma-separated shares such as 3,1, got {tensor_split!r}") from None
-    rpc.set_placement(endpoints, rpc.Offload(layers, shares), rpc_timeout)
-
-
-def parse_gpu_layers(value: str) -> int:
-    if value.strip().lower() in ("all", "auto", "-1"):
-        return 999  # more than any model has: llama.cpp offloads every layer
-    try:
-        return int(value)
-    except ValueError:
-        raise SpecEEError(f"-ngl/--n-gpu-layers takes a number or all, got {value!r}") from None
+    layers = placement.parse_gpu_layers(n_gpu_layers if n_gpu_layers is not None else "all" if endpoints else "0")
+    chosen = placement.Placement(layers, placement.parse_tensor_split(tensor_split), offload_first)
+    rpc.connect(endpoints, rpc_timeout)
+    placement.set_default(chosen)
 
 
 def chat_template_text(value: str | None) -> str | None:
@@ -233,6 +226,7 @@ def chat(
     rpc_workers: Rpc = None,
     rpc_timeout: RpcTimeout = RPC_TIMEOUT_S,
     tensor_split: TensorSplit = None,
+    offload_first: OffloadFirst = False,
     threads: Threads = None,
     seed: Seed = -1,
     temp: Temp = 0.8,
@@ -259,7 +253,7 @@ def chat(
     try:
         opts = EngineOptions(pick_model(model, model_opt, hf_repo, hf_file), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
                              quality, threshold, not no_early_exit, rpc_workers, tensor_split, rpc_timeout,
-                             speculation=speculation, flash_attn=flash_attn.value)
+                             offload_first, speculation=speculation, flash_attn=flash_attn.value)
         settings = ReplSettings(sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed), n_predict,
                                 system_prompt, chat_template_text(chat_template), verbose, color_exits)
         engine, label, notice = load_engine(opts, strict_pack=False)
@@ -313,6 +307,7 @@ def generate(
     rpc_workers: Rpc = None,
     rpc_timeout: RpcTimeout = RPC_TIMEOUT_S,
     tensor_split: TensorSplit = None,
+    offload_first: OffloadFirst = False,
     threads: Threads = None,
     seed: Seed = -1,
     temp: Temp = 0.8,
@@ -338,7 +333,7 @@ def generate(
         text = _prompt_text(prompt, file)
         opts = EngineOptions(pick_model(model, model_opt, hf_repo, hf_file), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
                              quality, threshold, not no_early_exit, rpc_workers, tensor_split, rpc_timeout,
-                             speculation=speculation, flash_attn=flash_attn.value)
+                             offload_first, speculation=speculation, flash_attn=flash_attn.value)
         sampling = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
         template = chat_template_text(chat_template)
         engine, _, notice = load_engine(opts, strict_pack=True)

@@ -177,7 +177,8 @@ def engine_info(engine: Engine, sampling: SamplingParams, max_tokens: int, syste
     config = engine.config
     rows += [
         ("early exit", ("on" if engine.early_exit else "off") + f", kv mode {engine.kv_mode}"),
-        ("context", f"{engine.ctx.n_ctx} tokens, {engine.ctx.n_past} in use; {config.n_threads} threads, {engine.model.n_gpu_layers} GPU layers"),
+        ("context", f"{engine.ctx.n_ctx} tokens, {engine.ctx.n_past} in use; {config.n_threads} threads"),
+        ("placement", engine.model.placement_text()),
         ("sampling", f"temp {sampling.temperature:g}, top_k {sampling.top_k}, top_p {sampling.top_p:g}, min_p {sampling.min_p:g}, "
                      f"repeat_penalty {sampling.repeat_penalty:g}, seed {'random' if sampling.seed is None else sampling.seed}, "
                      f"n_predict {max_tokens}"),

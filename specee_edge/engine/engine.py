@@ -40,6 +40,7 @@ from specee_edge.pack.format import MAX_DRAFT
 from specee_edge.registry import entry_for_file
 from specee_edge.runtime import Context, Model
 from specee_edge.runtime.context import StepInfo
+from specee_edge.runtime.placement import Placement
 from specee_edge.threads import default_threads
 
 # By measurement (docs/bench.md): fill agrees with the full model like `full` and costs about
@@ -58,7 +59,7 @@ class EngineConfig:
     n_batch: int = 512
     n_threads: int = field(default_factory=default_threads)
     flash_attn: str = "auto"  # llama.cpp's --flash-attn: on, off, or auto (on wherever the device runs it)
-    n_gpu_layers: int | None = None  # None: the process's placement (none, or --rpc's: runtime.rpc.use_workers)
+    placement: Placement | None = None  # where the layers run (-ngl, -ts, --offload-first); None: the process's
     kv_mode: str | None = None  # None: DEFAULT_KV_MODE where the model allows it, else FALLBACK_KV_MODE
     quality: float | None = None    # the pack's quality level (agreement with the full model); None: its default
     threshold: float | None = None  # one threshold for every layer instead of the level's; above 1 never exits
@@ -105,7 +106,7 @@ class Engine:
                  config: EngineConfig | None = None):
         self.config = config or EngineConfig()
         model_path = Path(model) if model is not None else default_model_path()
-        self.model = Model(model_path, n_gpu_layers=self.config.n_gpu_layers)
+        self.model = Model(model_path, placement=self.config.placement)
         self.n_layer = self.model.info.n_layer
         self.pack_path = find_pack(model_path) if pack == AUTO else (Path(pack) if pack is not None else None)
         self.policy = (ExitPolicy.load(self.pack_path, model_path, quality=self.config.quality,

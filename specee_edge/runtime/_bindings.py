@@ -71,6 +71,7 @@ _floats = ctypes.POINTER(ctypes.c_float)
 
 _SIGNATURES: dict[str, tuple[list, object]] = {
     "llama_specee_supported": ([llama_model_p], ctypes.c_int32),
+    "llama_specee_layer_device": ([llama_model_p, ctypes.c_int32], ctypes.c_char_p),
     "llama_specee_arch": (
         [ctypes.c_int32, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int32)],
         ctypes.c_int32,

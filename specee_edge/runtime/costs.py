@@ -59,6 +59,7 @@ from specee_edge.bootstrap import RESAMPLES, resampled_rows
 from specee_edge.exits import ExitKind
 from specee_edge.runtime.context import Context
 from specee_edge.runtime.model import Model
+from specee_edge.runtime.placement import Placement
 from specee_edge.runtime.rpc import Replies
 
 STOP_FRACTIONS = (0.25, 0.5, 0.75)
@@ -360,8 +361,8 @@ def measure_costs(model_path: str | os.PathLike, setup: DraftSetup, answers: Seq
 
 def time_rounds(model_path: str | os.PathLike, make_lanes: Callable[[Model], list[CostLane]],
                 answers: Sequence[tuple[Sequence[int], int]], *, rounds: int, seed: int,
-                advance: Callable[[int], None] = lambda n: None, n_gpu_layers: int = 0) -> list[list[CostLane]]:
-    """Rounds of lanes (make_lanes' on a freshly loaded model each, `n_gpu_layers` of its layers on the GPU) that
+                advance: Callable[[int], None] = lambda n: None, placement: Placement | None = None) -> list[list[CostLane]]:
+    """Rounds of lanes (make_lanes' on a freshly loaded model each, its layers where `placement` puts them) that
     decoded `answers` in turns, timed after a few untimed warm-up tokens (see measure_costs); their contexts are
     closed, their samples kept."""
     rng = np.random.default_rng(seed)
@@ -378,7 +379,7 @@ def time_rounds(model_path: str | os.PathLike, make_lanes: Callable[[Model], lis
     (first, n_first), *_ = answers
     timed = []
     for _ in range(rounds):
-        model = Model(model_path, n_gpu_layers=n_gpu_layers)
+        model = Model(model_path, placement=placement)
         lanes = []
         try:
             lanes = make_lanes(model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import numbers
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +16,8 @@ from specee_edge.gguf_index import check_gguf_file
 from specee_edge.runtime import rpc
 from specee_edge.runtime._bindings import C
 from specee_edge.runtime.logging import quiet_llama_logs
+from specee_edge.runtime.placement import Placement, describe_devices
+from specee_edge.runtime.placement import default as placement_default
 
 
 def check_token_ids(ids: Iterable[object], n_vocab: int, what: str) -> None:
@@ -49,29 +51,17 @@ class ModelInfo:
 class Model:
     """A llama_model loaded from a GGUF file (freed by close() or when collected)."""
 
-    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int | None = None,
-                 tensor_split: Sequence[float] | None = None):
-        """n_gpu_layers: the last layers that go to the devices (GPUs, RPC workers added with
-        runtime.rpc.add_workers); tensor_split: their shares per device, in llama.cpp's device order
-        (RPC workers first), as llama.cpp's -ts (empty: by each device's free memory). None: the
-        process's placement (rpc.default_offload(): none unless --rpc set one)."""
+    def __init__(self, path: str | os.PathLike, *, placement: Placement | None = None):
+        """placement: where the layers go (-ngl, -ts, --offload-first: runtime.placement); None: the process's
+        (placement.default(), set by the command line; nothing offloaded unless it says so). Offloaded layers go to
+        the GPUs and the RPC workers added with runtime.rpc.connect."""
         path = check_gguf_file(path)
         quiet_llama_logs()
-        offload = rpc.default_offload()
-        n_gpu_layers = offload.n_gpu_layers if n_gpu_layers is None else n_gpu_layers
-        tensor_split = offload.tensor_split if tensor_split is None else tensor_split
-        self.n_gpu_layers = n_gpu_layers
+        self.placement = placement if placement is not None else placement_default()
         params = _llama.llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers
-        split = None
-        if tensor_split:
-            if len(tensor_split) > _llama.LLAMA_MAX_DEVICES or min(tensor_split) < 0 or not sum(tensor_split) > 0:
-                raise ModelLoadError(f"--tensor-split takes at most {_llama.LLAMA_MAX_DEVICES} shares >= 0, not all 0;"
-                                     f" got {','.join(f'{x:g}' for x in tensor_split)}")
-            split = (ctypes.c_float * _llama.LLAMA_MAX_DEVICES)(*tensor_split)
-            params.tensor_split = split  # read during the load only
+        buffers = self.placement.apply(params)  # noqa: F841  (params points into them until the load returns)
         # where the offloaded layers go; a decode checks that these still answer
-        self.workers = rpc.registered() if n_gpu_layers > 0 else ()
+        self.workers = rpc.registered() if self.placement.n_gpu_layers > 0 else ()
         self._model = _llama.llama_model_load_from_file(str(path).encode(), params)
         if not self._model:
             rpc.check_workers(self.workers)
@@ -89,6 +79,18 @@ class Model:
     @property
     def handle(self) -> int:
         return self._model
+
+    def layer_devices(self) -> list[str]:
+        """The device each layer runs on, then the output layer's, as ggml names them ("CPU", "CUDA0",
+        "RPC0[127.0.0.1:50052]", ...): what the placement gave on this build's devices."""
+        if not self._model:  # llama.cpp would read a freed model
+            raise SpecEEError("the model is closed")
+        return [C["llama_specee_layer_device"](self._model, il).decode() for il in range(self.info.n_layer + 1)]
+
+    def placement_text(self) -> str:
+        """Where the layers run, for people: "layers 0-14 on CUDA0, layers 15-29 on CPU; the output on CUDA0"."""
+        text = describe_devices(self.layer_devices())
+        return f"{text} (--offload-first)" if self.placement.offload_first else text
 
     def meta(self, key: str) -> str | None:
         size = 1024

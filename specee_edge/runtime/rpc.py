@@ -168,30 +168,12 @@ def _check_listening(endpoint: Endpoint) -> None:
                           f"`specee-edge rpc-worker --host HOST --port {endpoint.port}`") from None
 
 
-@dataclass(frozen=True)
-class Offload:
-    """Where this process's models put their layers unless told otherwise: the last n_gpu_layers on the
-    devices (GPUs, then the RPC workers' in front of them), shared by tensor_split (empty: by free memory)."""
-
-    n_gpu_layers: int = 0
-    tensor_split: tuple[float, ...] = ()
-
-
-_offload = Offload()
-
-
-def default_offload() -> Offload:
-    return _offload
-
-
-def set_placement(endpoints: tuple[Endpoint, ...], offload: Offload, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """-ngl, -ts, --rpc, --rpc-timeout: add the workers, and make `offload` the placement of every model this
-    process loads from now on (the bench's and calibration's many loads included)."""
-    global _offload
+def connect(endpoints: tuple[Endpoint, ...], timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """--rpc and --rpc-timeout: add the workers, so that the layers every model this process loads from now on
+    offloads (runtime.placement) go to them."""
     if endpoints:
         set_timeout(timeout_s)
         add_workers(endpoints)
-    _offload = offload
 
 
 _added: dict[Endpoint, int] = {}  # endpoint -> its registry, registered once per process (ggml keeps them)

@@ -1,0 +1,130 @@
+"""Where a model's layers run: llama.cpp's -ngl and -ts, and which end of the model goes to the devices.
+
+llama.cpp's -ngl N offloads N "layers" counting the output layer as one: the output layer and the last N - 1
+repeating layers go to the devices (GPUs, then RPC workers), the rest stays on the CPU. SpecEE's placement
+(--offload-first) offloads the output layer and the FIRST N - 1 repeating layers instead, so that a model too
+big for the GPU runs its first layers there and a token that leaves early skips the layers left on the slower
+CPU. It is patches/0013-model-offload-first-layers.patch, switched by the GGUF key OFFLOAD_FIRST_KEY: a model
+loaded here gets it as a metadata override, llama-server from the same tree as `--override-kv`. The count is
+llama.cpp's either way, so the same -ngl needs the same device memory; the K/V cache, the norms and the
+early-exit draft head follow each layer's device.
+
+One Placement per process (set_default: -ngl, -ts and --offload-first as parsed by the command line) is read by
+every model the process loads (the engine's, the bench's and calibration's cost lanes) and by the bench's
+llama-server and llama-cpp-python lanes, so that every lane of a run splits the model the same way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+from llama_cpp import llama_cpp as _llama
+
+from specee_edge.errors import ModelLoadError, SpecEEError
+
+OFFLOAD_FIRST_KEY = "specee.offload_first"
+ALL_LAYERS = 999  # -ngl all: more than any model has, so llama.cpp offloads every layer and the output
+
+
+@dataclass(frozen=True)
+class Placement:
+    n_gpu_layers: int = 0  # llama.cpp's -ngl: the output layer counts as one
+    tensor_split: tuple[float, ...] = ()  # -ts: the offloaded layers' shares per device (empty: by free memory)
+    offload_first: bool = False  # SpecEE's: the first repeating layers go to the devices, not the last
+
+    def offloaded(self, n_layer: int) -> list[bool]:
+        """Per repeating layer, then the output layer (n_layer + 1 entries): whether it goes to a device, where the
+        runtime has one (patch 0013's map with offload_first, stock llama.cpp's without)."""
+        n = min(max(self.n_gpu_layers, 0), n_layer + 1)
+        if n == 0:
+            return [False] * (n_layer + 1)
+        if self.offload_first:
+            return [il < n - 1 for il in range(n_layer)] + [True]
+        return [il >= n_layer + 1 - n for il in range(n_layer + 1)]
+
+    def kv_overrides(self) -> dict[str, bool]:
+        """The GGUF metadata overrides that make llama.cpp load the model this way."""
+        return {OFFLOAD_FIRST_KEY: True} if self.offload_first else {}
+
+    def llama_server_args(self) -> list[str]:
+        """llama-server's flags for the same split, pinned: its automatic fitting (`--fit`, on by default in this
+        llama.cpp) would otherwise choose its own number of layers and context on a GPU build."""
+        args = ["-ngl", str(self.n_gpu_layers), "--fit", "off"]
+        if self.tensor_split:
+            args += ["-ts", ",".join(f"{share:g}" for share in self.tensor_split)]
+        args += [arg for key, value in self.kv_overrides().items()
+                 for arg in ("--override-kv", f"{key}=bool:{str(value).lower()}")]
+        return args
+
+    def apply(self, params: _llama.llama_model_params) -> list[object]:
+        """Set `params` for this placement; returns the ctypes buffers `params` points into, which must outlive
+        the model load."""
+        params.n_gpu_layers = self.n_gpu_layers
+        keep: list[object] = []
+        if self.tensor_split:
+            if (len(self.tensor_split) > _llama.LLAMA_MAX_DEVICES or min(self.tensor_split) < 0
+                    or not sum(self.tensor_split) > 0):
+                raise ModelLoadError(f"-ts/--tensor-split takes at most {_llama.LLAMA_MAX_DEVICES} shares >= 0, not all 0;"
+                                  f" got {','.join(f'{x:g}' for x in self.tensor_split)}")
+            split = (ctypes.c_float * _llama.LLAMA_MAX_DEVICES)(*self.tensor_split)
+            params.tensor_split = split
+            keep.append(split)
+        overrides = self.kv_overrides()
+        if overrides:
+            array = (_llama.llama_model_kv_override * (len(overrides) + 1))()  # the last, zeroed, ends the list
+            for entry, (key, value) in zip(array, overrides.items()):
+                entry.key = key.encode()
+                entry.tag = _llama.LLAMA_KV_OVERRIDE_TYPE_BOOL
+                entry.value.val_bool = value
+            params.kv_overrides = array
+            keep.append(array)
+        return keep
+
+
+def describe_devices(devices: list[str]) -> str:
+    """A line for people from each layer's device then the output's (Model.layer_devices()), e.g.
+    "layers 0-14 on CUDA0, layers 15-31 on CPU; the output on CUDA0"."""
+    *layers, output = devices
+    runs: list[list] = []  # [device, first, last]
+    for il, device in enumerate(layers):
+        if runs and runs[-1][0] == device:
+            runs[-1][2] = il
+        else:
+            runs.append([device, il, il])
+    spans = [f"layer {a} on {device}" if a == b else f"layers {a}-{b} on {device}" for device, a, b in runs]
+    return f"{', '.join(spans)}; the output on {output}"
+
+
+def parse_gpu_layers(value: str) -> int:
+    """-ngl: a number, or all (auto and -1 too, as llama.cpp takes them)."""
+    if value.strip().lower() in ("all", "auto", "-1"):
+        return ALL_LAYERS
+    try:
+        layers = int(value)
+    except ValueError:
+        raise SpecEEError(f"-ngl/--n-gpu-layers takes a number or all, got {value!r}") from None
+    if layers < 0:
+        raise SpecEEError(f"-ngl/--n-gpu-layers takes a number >= 0 or all, got {value!r}")
+    return layers
+
+
+def parse_tensor_split(value: str | None) -> tuple[float, ...]:
+    """-ts: comma-separated shares such as 3,1 (None or empty: by free memory)."""
+    try:
+        return tuple(float(x) for x in value.split(",")) if value else ()
+    except ValueError:
+        raise SpecEEError(f"-ts/--tensor-split takes comma-separated shares such as 3,1, got {value!r}") from None
+
+
+_default = Placement()
+
+
+def default() -> Placement:
+    """The placement of every model this process loads unless told otherwise (none offloaded until set)."""
+    return _default
+
+
+def set_default(placement: Placement) -> None:
+    global _default
+    _default = placement
