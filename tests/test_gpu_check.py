@@ -5,6 +5,7 @@ model through the runtime."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,11 +35,14 @@ def test_the_pruned_sdist_keeps_what_the_build_reads(bundle, tmp_path):
             "vendor/llama.cpp/cmake/license.cmake", "vendor/llama.cpp/ggml/src/ggml.c",
             "vendor/llama.cpp/ggml/src/ggml-cuda/mmq.cu", "vendor/llama.cpp/ggml/src/ggml-cpu/ops.cpp",
             "vendor/llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp", "vendor/llama.cpp/vendor/nlohmann/json.hpp",
-            "vendor/llama.cpp/ggml/src/ggml-vulkan/ggml-vulkan.cpp"]  # a patch edits it: kept, so that it applies
+            "vendor/llama.cpp/ggml/src/ggml-vulkan/ggml-vulkan.cpp",  # a patch edits it: kept, so that it applies
+            # llama-server's (tools/build_llama_server.py --sdist)
+            "vendor/llama.cpp/common/common.cpp", "vendor/llama.cpp/tools/server/server.cpp",
+            "vendor/llama.cpp/tools/ui/CMakeLists.txt", "vendor/llama.cpp/vendor/cpp-httplib/httplib.h"]
     dropped = ["docs/index.md", "tests/test_llama.py", "vendor/llama.cpp/models/ggml-vocab-llama.gguf",
-               "vendor/llama.cpp/common/common.cpp", "vendor/llama.cpp/tools/server/server.cpp",
                "vendor/llama.cpp/ggml/src/ggml-vulkan/vulkan-shaders/add.comp",
-               "vendor/llama.cpp/ggml/src/ggml-metal/ggml-metal.m", "vendor/llama.cpp/vendor/cpp-httplib/httplib.h"]
+               "vendor/llama.cpp/ggml/src/ggml-metal/ggml-metal.m", "vendor/llama.cpp/tools/ui/src/app.html",
+               "vendor/llama.cpp/tools/server/tests/unit/test_basic.py"]
     for name in kept + dropped:
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         (source / name).write_text(name)
@@ -46,6 +50,28 @@ def test_the_pruned_sdist_keeps_what_the_build_reads(bundle, tmp_path):
     assert all((source / name).is_file() for name in kept)
     assert not any((source / name).exists() for name in dropped)
     assert llama.is_dir()
+
+
+def test_models_cut_into_pieces_join_whole_and_checked(bundle, tmp_path):
+    """Each piece travels in a device call of its own; joined on the GPU machine, every model is byte for byte the
+    original, and a piece not there yet, or a wrong one, is one line, not a broken model."""
+    models = [tmp_path / "a.gguf", tmp_path / "b.gguf"]
+    models[0].write_bytes(bytes(range(256)) * 9000)  # 2.2 MiB: three pieces of 1 MiB
+    models[1].write_bytes(b"gguf" * 100)
+    written = bundle.cut_models(models, tmp_path / "pieces", piece_mib=1)
+    folders = {path.parent.name for path in written if path.name != bundle.MANIFEST}
+    assert folders == {f"piece-{i:02d}" for i in range(4)}
+    joined = bundle.join_models(tmp_path / "pieces", tmp_path / "joined")
+    assert [path.read_bytes() for path in joined] == [path.read_bytes() for path in models]
+    (tmp_path / "pieces" / "piece-01" / "a.gguf.part01").write_bytes(b"not the part")
+    with pytest.raises(SystemExit):
+        bundle.join_models(tmp_path / "pieces", tmp_path / "joined")
+    assert not (tmp_path / "joined" / "a.gguf").exists()
+    bundle.cut_models(models, tmp_path / "pieces-2", piece_mib=1)
+    shutil.rmtree(tmp_path / "pieces-2" / "piece-02")
+    with pytest.raises(SystemExit):
+        bundle.join_models(tmp_path / "pieces-2", tmp_path / "joined-2")
+    assert not (tmp_path / "joined-2" / "a.gguf").exists()
 
 
 def test_build_runtime_refuses_a_missing_sdist(tmp_path):

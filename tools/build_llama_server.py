@@ -13,7 +13,8 @@ server does (SERVER_PATCHES: SpecEE's placement, which the bench's lanes ask for
 other sources and patches: with every hook idle the patched llama.cpp is stock llama.cpp, so a change to them (a
 rebuild of the wheel, 5 minutes) does not rebuild the server (20-40 minutes on 2 cores).
 
-Usage: ``python tools/build_llama_server.py [--print-path | --force]``; the last line printed is the binary.
+Usage: ``python tools/build_llama_server.py [--print-path | --force] [--sdist SDIST]``; the last line printed is the
+binary.
 ``--print-path`` prints where the binary is or will be, and exits 1 when it is not built yet.
 """
 
@@ -87,12 +88,13 @@ def tool(name: str, required: bool = True) -> str | None:
     return found
 
 
-def build(cache: Path, key: str, flags: list[str]) -> Path:
-    """Patch the vendored llama.cpp, configure and build the llama-server target; store the binary in the cache."""
+def build(cache: Path, key: str, flags: list[str], sdist: Path | None = None) -> Path:
+    """Patch the vendored llama.cpp (of `sdist`, else the cached download), configure and build the llama-server
+    target; store the binary in the cache."""
     source_root = cache / "src" / key
     build_dir = cache / "build" / key
     log_path = cache / "logs" / f"{key}.log"
-    source = patched_source(cache, source_root, patch_files())
+    source = patched_source(cache, source_root, patch_files(), sdist)
     generator = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={tool('ninja')}"] if tool("ninja", required=False) else []
     env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
     started = time.perf_counter()
@@ -125,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--print-path", action="store_true", help="print the binary's path; exit 1 if it is not built")
     mode.add_argument("--force", action="store_true", help="rebuild, ignoring the cached binary")
+    parser.add_argument("--sdist", type=Path, default=None, help="build from this llama-cpp-python sdist (a GPU "
+                        "machine without a network: tools/gpu_bundle.py's) instead of the cached download")
     args = parser.parse_args(argv)
     flags = server_flags()
     cache = cache_root()
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         print(path)
         return 0 if path.is_file() else 1
     if args.force or not path.is_file():
-        path = build(cache, key, flags)
+        path = build(cache, key, flags, args.sdist)
     print(path)
     return 0
 

