@@ -13,6 +13,8 @@ Environment:
                        -DGGML_METAL=on picks the backend, the rest is passed on
     SPECEE_BACKEND     cpu (default), cuda, vulkan or metal: the backend, by name
     SPECEE_CMAKE_ARGS  extra CMake flags, appended to the backend's flags
+    CUDAARCHS          CUDA architectures (CMake's variable), else the GPUs nvidia-smi sees, else ggml-cuda's
+                       default list; -DCMAKE_CUDA_ARCHITECTURES in either of the above wins
     SPECEE_CACHE       cache directory (default: ~/.cache/specee-edge)
 
 `specee-edge setup` runs it in the environment the package is installed in; a source checkout's
@@ -51,6 +53,8 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from specee_edge.libstdcxx import installed_package_dir
+
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 DIST_NAME = "llama-cpp-python"
 MARKER_NAME = "specee_build_key.txt"
@@ -77,6 +81,9 @@ BACKEND_FLAGS = {
 }
 # a backend's switch in CMAKE_ARGS, as llama-cpp-python's users write it
 BACKEND_ARG = re.compile(r"(?<!\S)-DGGML_(CUDA|VULKAN|METAL)=(?:on|1|true|yes)(?!\S)", re.IGNORECASE)
+# a user's own choice of CUDA architectures, which wins over the GPU's (CMake's variable, or CMake's CUDAARCHS)
+CUDA_ARCH_ARG = re.compile(r"(?<!\S)-DCMAKE_CUDA_ARCHITECTURES(?::[A-Z]+)?=")
+COMPUTE_CAP = re.compile(r"(\d+)\.(\d+)")
 # what a backend's build needs on the machine, checked before the download: (program, how to get it)
 BACKEND_TOOLS = {
     "vulkan": ("glslc", "apt-get install glslc libvulkan-dev spirv-headers (and mesa-vulkan-drivers for lavapipe,"
@@ -139,7 +146,35 @@ def cmake_flags() -> str:
     passed_on = " ".join(BACKEND_ARG.sub(" ", user_args).split()) if user_args else ""
     extra = [arg for arg in (os.environ.get("SPECEE_CMAKE_ARGS", "").strip(), passed_on) if arg]
     machine = X86_FLAGS if platform.machine().lower() in X86_MACHINES and backend != "metal" else ()
+    if backend == "cuda":
+        machine = (*machine, *cuda_architectures(" ".join(extra), os.environ.get("CUDAARCHS", ""), gpu_compute_caps()))
     return " ".join([*BASE_CMAKE_FLAGS, *BACKEND_FLAGS[backend], *machine, *extra])
+
+
+def gpu_compute_caps() -> list[str]:
+    """The compute capabilities of the GPUs nvidia-smi sees ("8.9", ...); none where it is missing or fails."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        result = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return result.stdout.split() if result.returncode == 0 else []
+
+
+def cuda_architectures(user_args: str, cudaarchs: str, compute_caps: list[str]) -> tuple[str, ...]:
+    """The -DCMAKE_CUDA_ARCHITECTURES flag of a CUDA build: none where the user's flags set it; the user's
+    CUDAARCHS; else the GPUs present (8.9 -> 89), so that the wheel, and its cache key, hold their code only;
+    else none, and ggml-cuda compiles its default list (GGML_NATIVE is off on x86, so it never asks CMake
+    for `native`, which fails where no GPU is visible)."""
+    if CUDA_ARCH_ARG.search(user_args):
+        return ()
+    if cudaarchs.strip():
+        return (f"-DCMAKE_CUDA_ARCHITECTURES={cudaarchs.strip()}",)
+    archs = sorted({f"{m.group(1)}{m.group(2)}" for cap in compute_caps if (m := COMPUTE_CAP.fullmatch(cap.strip()))},
+                   key=int)
+    return (f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(archs)}",) if archs else ()
 
 
 def cpu_features() -> str:
@@ -204,15 +239,6 @@ def cache_root() -> Path:
     """Return the cache directory (SPECEE_CACHE or ~/.cache/specee-edge)."""
     configured = os.environ.get("SPECEE_CACHE")
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "specee-edge"
-
-
-def installed_package_dir() -> Path | None:
-    """Locate the installed ``llama_cpp`` package without importing it."""
-    importlib.invalidate_caches()
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def installed_key() -> str | None:
