@@ -94,6 +94,8 @@ BACKEND_TOOLS = {
 # AMX CPUs the first batched matmul dies with SIGILL (seen on a 2-core Xeon VM: any prompt of more
 # than a few tokens). GGML_NATIVE would put -march=native after our flags, so it is off, its x86
 # defaults with it, and the compiler flags carry -march=native instead; ggml then takes AVX-512 paths.
+# Not on Windows: MSVC ignores -march=native, which left an SSE2-only build, and ggml's native detection
+# there (GGML_NATIVE, on by default) picks MSVC's /arch flags, with no AMX.
 X86_MACHINES = ("x86_64", "amd64")
 X86_NATIVE_NO_AMX = "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 X86_FLAGS = (
@@ -145,10 +147,17 @@ def cmake_flags() -> str:
     # spellings of one configuration give one cache key.
     passed_on = " ".join(BACKEND_ARG.sub(" ", user_args).split()) if user_args else ""
     extra = [arg for arg in (os.environ.get("SPECEE_CMAKE_ARGS", "").strip(), passed_on) if arg]
-    machine = X86_FLAGS if platform.machine().lower() in X86_MACHINES and backend != "metal" else ()
+    machine = machine_flags(platform.machine(), platform.system(), backend)
     if backend == "cuda":
         machine = (*machine, *cuda_architectures(" ".join(extra), os.environ.get("CUDAARCHS", ""), gpu_compute_caps()))
     return " ".join([*BASE_CMAKE_FLAGS, *BACKEND_FLAGS[backend], *machine, *extra])
+
+
+def machine_flags(machine: str, system: str, backend: str) -> tuple[str, ...]:
+    """The CPU flags for ``machine`` (platform.machine()) under ``system`` (platform.system()): -march=native
+    without AMX on x86 but on Windows and for Metal, ggml's own native detection elsewhere."""
+    native_x86 = machine.lower() in X86_MACHINES and system != "Windows" and backend != "metal"
+    return X86_FLAGS if native_x86 else ()
 
 
 def gpu_compute_caps() -> list[str]:
@@ -383,7 +392,8 @@ def describe_patch_failure(output: str) -> list[str]:
 def apply_patches(llama_dir: Path, patches: list[Path]) -> None:
     """Apply ``patches`` in order inside ``llama_dir``; exit 1 naming any that fails."""
     if patches and shutil.which("patch") is None:
-        die("the 'patch' tool is required to apply patches/*.patch")
+        die("applying patches/*.patch needs GNU patch: apt-get install patch (on Windows, Git for Windows' "
+            "usr\\bin\\patch.exe on PATH)", 2)
     for patch in patches:
         for dry_run in (True, False):
             cmd = ["patch", "-p1", "--batch", "--forward", "--fuzz=0", "-i", str(patch)]

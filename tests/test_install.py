@@ -87,6 +87,23 @@ def test_a_cuda_runtime_on_linux_loads_the_system_libstdcxx_first(tmp_path, monk
     assert loaded == [(libstdcxx.ctypes.util.find_library("stdc++"), os.RTLD_GLOBAL)]
 
 
+def test_the_cpu_flags_by_platform():
+    assert build_runtime.machine_flags("x86_64", "Linux", "cpu") == build_runtime.X86_FLAGS
+    assert build_runtime.machine_flags("AMD64", "Windows", "cpu") == ()  # MSVC: ggml's native detection
+    assert build_runtime.machine_flags("AMD64", "Windows", "cuda") == ()
+    assert build_runtime.machine_flags("x86_64", "Darwin", "metal") == ()
+    assert build_runtime.machine_flags("aarch64", "Linux", "cpu") == ()
+
+
+def test_no_patch_tool_is_one_line_naming_how_to_get_it(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(build_runtime.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit) as exit_info:
+        build_runtime.apply_patches(tmp_path, build_runtime.patch_files())
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "apt-get install patch" in err
+
+
 def test_two_backends_at_once_are_one_line(build_env, capsys):
     build_env.setenv("CMAKE_ARGS", "-DGGML_CUDA=on -DGGML_METAL=on")
     with pytest.raises(SystemExit) as exit_info:
