@@ -123,7 +123,9 @@ def _hf_models() -> Iterator[StoredModel]:
 
 def _llama_cpp_models() -> Iterator[StoredModel]:
     for path in _ggufs(llama_cpp_dir()):
-        yield StoredModel(f"llama.cpp:{path.relative_to(llama_cpp_dir()).as_posix()}", "llama.cpp", path)
+        file = path.relative_to(llama_cpp_dir())
+        if not file.parts[0].startswith("models--"):  # LLAMA_CACHE holds this llama.cpp's Hugging Face cache too
+            yield StoredModel(f"llama.cpp:{file.as_posix()}", "llama.cpp", path)
 
 
 def _ollama_blob(root: Path, digest: str) -> Path:

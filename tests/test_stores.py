@@ -180,3 +180,15 @@ def test_the_models_list_fits_80_columns_and_info_takes_its_names(stores):
     for name in ("smollm2-135m-instruct", "ollama:qwen2.5:0.5b", "hf:tester/tiny-GGUF/tiny-Q4_K_M.gguf"):
         info = subprocess.run([CLI, "info", name], capture_output=True, text=True, env=env, timeout=120)
         assert info.returncode == 0 and "architecture" in info.stdout, (name, info.stderr)
+
+
+def test_llama_cache_holding_llama_cpps_hugging_face_cache_lists_each_model_once(stores, tmp_path, monkeypatch):
+    # this llama.cpp's -hf keeps the Hugging Face layout in LLAMA_CACHE; older releases kept flat files there
+    moved = tmp_path / "llama-cache"
+    llama = stores["ollama:qwen2.5:0.5b"]
+    link = hf_put(moved, "tester/moved-GGUF", "moved-Q4_K_M.gguf", llama)
+    shutil.copyfile(llama, moved / "old_flat-Q4_0.gguf")
+    monkeypatch.setenv("LLAMA_CACHE", str(moved))
+    names = [m.name for m in stored_models() if m.path.is_relative_to(moved)]
+    assert sorted(names) == ["hf:tester/moved-GGUF/moved-Q4_K_M.gguf", "llama.cpp:old_flat-Q4_0.gguf"]
+    assert resolve_stored("hf:tester/moved-GGUF/moved-Q4_K_M.gguf") == link
