@@ -81,7 +81,7 @@ BACKEND_FLAGS = {
 }
 # a backend's switch in CMAKE_ARGS, as llama-cpp-python's users write it
 BACKEND_ARG = re.compile(r"(?<!\S)-DGGML_(CUDA|VULKAN|METAL)=(?:on|1|true|yes)(?!\S)", re.IGNORECASE)
-# a user's own choice of CUDA architectures, which wins over the GPU's (CMake's variable, or CMake's CUDAARCHS)
+# a user's own -DCMAKE_CUDA_ARCHITECTURES, which wins over the GPUs' (as CMake's CUDAARCHS does)
 CUDA_ARCH_ARG = re.compile(r"(?<!\S)-DCMAKE_CUDA_ARCHITECTURES(?::[A-Z]+)?=")
 COMPUTE_CAP = re.compile(r"(\d+)\.(\d+)")
 # what a backend's build needs on the machine, checked before the download: (program, how to get it)
@@ -175,8 +175,8 @@ def gpu_compute_caps() -> list[str]:
 def cuda_architectures(user_args: str, cudaarchs: str, compute_caps: list[str]) -> tuple[str, ...]:
     """The -DCMAKE_CUDA_ARCHITECTURES flag of a CUDA build: none where the user's flags set it; the user's
     CUDAARCHS; else the GPUs present (8.9 -> 89), so that the wheel, and its cache key, hold their code only;
-    else none, and ggml-cuda compiles its default list (GGML_NATIVE is off on x86, so it never asks CMake
-    for `native`, which fails where no GPU is visible)."""
+    else none, and ggml-cuda picks: its default list where GGML_NATIVE is off (x86 but Windows), else CMake's
+    `native`."""
     if CUDA_ARCH_ARG.search(user_args):
         return ()
     if cudaarchs.strip():
