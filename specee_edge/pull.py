@@ -122,11 +122,12 @@ class ResolvedModel:
 
 
 def registry_name(path: Path, *, registry: Path | None = None, models: Path | None = None) -> str | None:
-    """The registry name of the model file at ``path``, in the cache or inside its installed wheel."""
-    target = path.resolve()
+    """The registry name of the model file at ``path``, in the cache or inside its installed wheel (where it lies,
+    not where a link to it does: a link elsewhere is a model of the user's, with packs of its own)."""
+    target = os.path.abspath(path)
     for entry in load_registry(registry).values():
         places = (installed_path(entry), (models or models_dir()) / entry.filename)
-        if any(place is not None and place.resolve() == target for place in places):
+        if any(place is not None and os.path.abspath(place) == target for place in places):
             return entry.name
     return None
 

@@ -273,3 +273,8 @@ def test_one_model_one_name_where_the_wheel_and_the_cache_both_hold_it():
     assert resolve_model("smollm2-135m-instruct") == default
     assert resolve_model(str(default_model_path())) == default
     assert resolve_model(str(cached)) == ResolvedModel(cached, "smollm2-135m-instruct")
+
+    linked = models_dir().parent / "mine" / "smollm2-nopack.gguf"  # a link of the user's is the user's model
+    linked.parent.mkdir()
+    linked.symlink_to(default_model_path())
+    assert resolve_model(str(linked)) == ResolvedModel(linked, str(linked))
