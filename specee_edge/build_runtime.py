@@ -13,6 +13,8 @@ Environment:
                        -DGGML_METAL=on picks the backend, the rest is passed on
     SPECEE_BACKEND     cpu (default), cuda, vulkan or metal: the backend, by name
     SPECEE_CMAKE_ARGS  extra CMake flags, appended to the backend's flags
+    CUDAARCHS          CUDA architectures (CMake's variable), else the GPUs nvidia-smi sees, else ggml-cuda's
+                       default list; -DCMAKE_CUDA_ARCHITECTURES in either of the above wins
     SPECEE_CACHE       cache directory (default: ~/.cache/specee-edge)
 
 `specee-edge setup` runs it in the environment the package is installed in; a source checkout's
@@ -51,6 +53,8 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from specee_edge.libstdcxx import installed_package_dir
+
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 DIST_NAME = "llama-cpp-python"
 MARKER_NAME = "specee_build_key.txt"
@@ -77,6 +81,9 @@ BACKEND_FLAGS = {
 }
 # a backend's switch in CMAKE_ARGS, as llama-cpp-python's users write it
 BACKEND_ARG = re.compile(r"(?<!\S)-DGGML_(CUDA|VULKAN|METAL)=(?:on|1|true|yes)(?!\S)", re.IGNORECASE)
+# a user's own -DCMAKE_CUDA_ARCHITECTURES, which wins over the GPUs' (as CMake's CUDAARCHS does)
+CUDA_ARCH_ARG = re.compile(r"(?<!\S)-DCMAKE_CUDA_ARCHITECTURES(?::[A-Z]+)?=")
+COMPUTE_CAP = re.compile(r"(\d+)\.(\d+)")
 # what a backend's build needs on the machine, checked before the download: (program, how to get it)
 BACKEND_TOOLS = {
     "vulkan": ("glslc", "apt-get install glslc libvulkan-dev spirv-headers (and mesa-vulkan-drivers for lavapipe,"
@@ -87,6 +94,8 @@ BACKEND_TOOLS = {
 # AMX CPUs the first batched matmul dies with SIGILL (seen on a 2-core Xeon VM: any prompt of more
 # than a few tokens). GGML_NATIVE would put -march=native after our flags, so it is off, its x86
 # defaults with it, and the compiler flags carry -march=native instead; ggml then takes AVX-512 paths.
+# Not on Windows: MSVC ignores -march=native, which left an SSE2-only build, and ggml's native detection
+# there (GGML_NATIVE, on by default) picks MSVC's /arch flags, with no AMX.
 X86_MACHINES = ("x86_64", "amd64")
 X86_NATIVE_NO_AMX = "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 X86_FLAGS = (
@@ -138,8 +147,43 @@ def cmake_flags() -> str:
     # spellings of one configuration give one cache key.
     passed_on = " ".join(BACKEND_ARG.sub(" ", user_args).split()) if user_args else ""
     extra = [arg for arg in (os.environ.get("SPECEE_CMAKE_ARGS", "").strip(), passed_on) if arg]
-    machine = X86_FLAGS if platform.machine().lower() in X86_MACHINES and backend != "metal" else ()
+    machine = machine_flags(platform.machine(), platform.system(), backend)
+    if backend == "cuda":
+        machine = (*machine, *cuda_architectures(" ".join(extra), os.environ.get("CUDAARCHS", ""), gpu_compute_caps()))
     return " ".join([*BASE_CMAKE_FLAGS, *BACKEND_FLAGS[backend], *machine, *extra])
+
+
+def machine_flags(machine: str, system: str, backend: str) -> tuple[str, ...]:
+    """The CPU flags for ``machine`` (platform.machine()) under ``system`` (platform.system()): -march=native
+    without AMX on x86 but on Windows and for Metal, ggml's own native detection elsewhere."""
+    native_x86 = machine.lower() in X86_MACHINES and system != "Windows" and backend != "metal"
+    return X86_FLAGS if native_x86 else ()
+
+
+def gpu_compute_caps() -> list[str]:
+    """The compute capabilities of the GPUs nvidia-smi sees ("8.9", ...); none where it is missing or fails."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        result = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return result.stdout.split() if result.returncode == 0 else []
+
+
+def cuda_architectures(user_args: str, cudaarchs: str, compute_caps: list[str]) -> tuple[str, ...]:
+    """The -DCMAKE_CUDA_ARCHITECTURES flag of a CUDA build: none where the user's flags set it; the user's
+    CUDAARCHS; else the GPUs present (8.9 -> 89), so that the wheel, and its cache key, hold their code only;
+    else none, and ggml-cuda picks: its default list where GGML_NATIVE is off (x86 but Windows), else CMake's
+    `native`."""
+    if CUDA_ARCH_ARG.search(user_args):
+        return ()
+    if cudaarchs.strip():
+        return (f"-DCMAKE_CUDA_ARCHITECTURES={cudaarchs.strip()}",)
+    archs = sorted({f"{m.group(1)}{m.group(2)}" for cap in compute_caps if (m := COMPUTE_CAP.fullmatch(cap.strip()))},
+                   key=int)
+    return (f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(archs)}",) if archs else ()
 
 
 def cpu_features() -> str:
@@ -204,15 +248,6 @@ def cache_root() -> Path:
     """Return the cache directory (SPECEE_CACHE or ~/.cache/specee-edge)."""
     configured = os.environ.get("SPECEE_CACHE")
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "specee-edge"
-
-
-def installed_package_dir() -> Path | None:
-    """Locate the installed ``llama_cpp`` package without importing it."""
-    importlib.invalidate_caches()
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def installed_key() -> str | None:
@@ -357,7 +392,8 @@ def describe_patch_failure(output: str) -> list[str]:
 def apply_patches(llama_dir: Path, patches: list[Path]) -> None:
     """Apply ``patches`` in order inside ``llama_dir``; exit 1 naming any that fails."""
     if patches and shutil.which("patch") is None:
-        die("the 'patch' tool is required to apply patches/*.patch")
+        die("applying patches/*.patch needs GNU patch: apt-get install patch (on Windows, Git for Windows' "
+            "usr\\bin\\patch.exe on PATH)", 2)
     for patch in patches:
         for dry_run in (True, False):
             cmd = ["patch", "-p1", "--batch", "--forward", "--fuzz=0", "-i", str(patch)]

@@ -1,8 +1,9 @@
 """Models from the Hugging Face Hub in llama.cpp's spelling: `-hf user/repo[:quant]` and `--hf-file FILE`.
 
-Files go through huggingface_hub, so its cache (HF_HUB_CACHE, HF_HOME), its token (HF_TOKEN), its
-endpoint (HF_ENDPOINT), offline mode (HF_HUB_OFFLINE) and its resumed downloads all apply; a model
-fetched here is the same file `Llama.from_pretrained` and the Hub's own tools find. Without a file
+Files go through huggingface_hub into the cache llama.cpp's -hf uses (LLAMA_CACHE, HF_HUB_CACHE,
+HUGGINGFACE_HUB_CACHE, HF_HOME), with its token (HF_TOKEN), its endpoint (HF_ENDPOINT), offline mode
+(HF_HUB_OFFLINE) and its resumed downloads; a model fetched here is the same file llama.cpp,
+`Llama.from_pretrained` and the Hub's own tools find. Without a file
 named, the quant is picked as llama.cpp picks it: the one the tag names (case-insensitive), else Q4_K_M,
 else Q8_0, else the first GGUF; of a split GGUF (`-00001-of-00003.gguf`), every part is fetched and the
 first one returned, which is where llama.cpp loads a split model from.
@@ -14,14 +15,20 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specee_edge.errors import SpecEEError
+
+if TYPE_CHECKING:  # huggingface_hub is imported where a command goes to the Hub
+    from huggingface_hub.errors import HfHubHTTPError
 
 DEFAULT_TAGS = ("Q4_K_M", "Q8_0")
 SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 # GGUFs in model repositories that are not models (llama.cpp skips the same names)
 NOT_MODELS = ("mmproj", "imatrix")
 OFFLINE_VALUES = ("1", "on", "yes", "true")
+CACHE_VARIABLES = ("LLAMA_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")  # each names the cache folder itself
+REVISION = "main"  # what -hf loads, as llama.cpp's -hf does
 
 
 class HubError(SpecEEError):
@@ -86,9 +93,12 @@ def offline() -> bool:
 
 
 def cache_dir() -> Path:
-    """huggingface_hub's cache, read when called (its own constant is read once, at import)."""
-    if configured := os.environ.get("HF_HUB_CACHE"):
-        return Path(configured).expanduser()
+    """The Hugging Face cache as this llama.cpp's -hf picks it (common/hf-cache.cpp), so that a model either
+    downloaded is the other's too: LLAMA_CACHE, HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE, HF_HOME/hub,
+    XDG_CACHE_HOME/huggingface/hub, ~/.cache/huggingface/hub; read when called."""
+    for variable in CACHE_VARIABLES:
+        if configured := os.environ.get(variable):
+            return Path(configured).expanduser()
     home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
     return Path(home).expanduser() / "hub"
 
@@ -112,18 +122,25 @@ def repo_files(repo: str) -> tuple[list[str], bool]:
     """The repository's files, and whether they came from the Hub (else from the cache: offline or no network)."""
     import httpx2
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import GatedRepoError, OfflineModeIsEnabled, RepositoryNotFoundError
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, OfflineModeIsEnabled,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
 
     where = endpoint() or "huggingface.co"
     reason = "HF_HUB_OFFLINE is set"
     if not offline():
         try:
-            info = HfApi(endpoint=endpoint()).model_info(repo, revision="main")
+            info = HfApi(endpoint=endpoint()).model_info(repo, revision=REVISION)
             return sorted(s.rfilename for s in info.siblings or ()), True
+        except HFValidationError as e:
+            raise HubError(f"-hf {repo!r} is not a repository id: {first_line(e)}") from None
         except GatedRepoError:
             raise HubError(f"{repo} is gated: accept its terms on its page and set HF_TOKEN") from None
         except RepositoryNotFoundError:
             raise HubError(f"no model repository {repo} on {where} (a private one needs HF_TOKEN)") from None
+        except RevisionNotFoundError:
+            raise HubError(f"{repo} has no revision {REVISION} on {where}") from None
+        except HfHubHTTPError as e:
+            raise refusal(e, repo) from None
         except (OfflineModeIsEnabled, httpx2.TransportError) as e:
             reason = f"cannot reach {where}: {e}"
     files = cached_files(repo)
@@ -132,16 +149,40 @@ def repo_files(repo: str) -> tuple[list[str], bool]:
     return files, False
 
 
+def first_line(error: Exception) -> str:
+    """An exception's message, one line of it (its type where it has none)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def refusal(error: HfHubHTTPError, repo: str) -> HubError:
+    """One line for an HTTP error of the Hub's other than a missing or gated repository: a token refused, a rate
+    limit, a server error."""
+    where = endpoint() or "huggingface.co"
+    status = error.response.status_code
+    if status == 401:
+        return HubError(f"{where} refused the token (401): check HF_TOKEN (or the token `hf auth login` saved), or "
+                        "unset it for a public repository")
+    if status == 429:
+        return HubError(f"{where} is limiting requests (429): wait a few minutes and run the command again (HF_TOKEN "
+                        "raises the limit)")
+    if status >= 500:
+        return HubError(f"{where} failed ({status}): run the command again later")
+    return HubError(f"{where} answered {status} for {repo}: {first_line(error)}")
+
+
 def download(repo: str, file: str, online: bool) -> Path:
     """One file through the cache: fetched (or resumed) when online, else the cached copy."""
     import httpx2
     from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError
 
     try:
         return Path(hf_hub_download(repo, file, cache_dir=cache_dir(), endpoint=endpoint(), local_files_only=not online))
-    except (OSError, httpx2.TransportError) as e:
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise HubError(f"downloading {file} from {repo} failed ({detail}): run the command again to resume") from None
+    except (OSError, httpx2.TransportError) as e:  # HfHubHTTPError is an OSError
+        if isinstance(e, HfHubHTTPError) and (e.response.status_code in (401, 429) or e.response.status_code >= 500):
+            raise refusal(e, repo) from None
+        raise HubError(f"downloading {file} from {repo} failed ({first_line(e)}): run the command again to resume") from None
 
 
 def hf_model(spec_text: str, hf_file: str | None = None) -> Path:

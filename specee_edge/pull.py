@@ -102,30 +102,52 @@ def installed_path(entry: RegistryEntry) -> Path | None:
 
 
 def pulled_path(entry: RegistryEntry, models: Path | None = None) -> Path | None:
-    """The model's file if it was pulled (or its wheel is installed), else None.
+    """The model's file if its wheel is installed (as default_model_path() prefers it) or it was pulled, else
+    None.
 
     Only the size is checked: a file under the final name was verified when it was pulled.
     """
-    cached = (models or models_dir()) / entry.filename
-    if _has_size(cached, entry.size_bytes):
-        return cached
-    installed = installed_path(entry)
-    if installed is not None and _has_size(installed, entry.size_bytes):
-        return installed
+    for path in (installed_path(entry), (models or models_dir()) / entry.filename):
+        if path is not None and _has_size(path, entry.size_bytes):
+            return path
     return None
 
 
-def resolve_model(name_or_path: str | Path | None, *, registry: Path | None = None, models: Path | None = None) -> Path:
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model argument resolved: the file to load, and the one name messages and the server give it."""
+
+    path: Path
+    name: str  # a registry model's registry name, wherever its file was found or however it was named; else the argument
+
+
+def registry_name(path: Path, *, registry: Path | None = None, models: Path | None = None) -> str | None:
+    """The registry name of the model file at ``path``, in the cache or inside its installed wheel (where it lies,
+    not where a link to it does: a link elsewhere is a model of the user's, with packs of its own)."""
+    target = os.path.abspath(path)
+    for entry in load_registry(registry).values():
+        places = (installed_path(entry), (models or models_dir()) / entry.filename)
+        if any(place is not None and os.path.abspath(place) == target for place in places):
+            return entry.name
+    return None
+
+
+def resolve_model(name_or_path: str | Path | None, *, registry: Path | None = None,
+                  models: Path | None = None) -> ResolvedModel:
     """A model argument as commands accept it: None (the default model), a GGUF path, or a registry name.
 
     A registry name resolves only once pulled; nothing is downloaded here.
     """
-    if name_or_path is None:
-        return default_model_path()
-    path = Path(name_or_path).expanduser()
+    path = default_model_path() if name_or_path is None else locate_model(str(name_or_path), registry, models)
+    name = registry_name(path, registry=registry, models=models)
+    return ResolvedModel(path, name or str(name_or_path if name_or_path is not None else path))
+
+
+def locate_model(text: str, registry: Path | None, models: Path | None) -> Path:
+    """The file a model argument (a GGUF path or a registry name) names."""
+    path = Path(text).expanduser()
     if path.is_file():
         return path
-    text = str(name_or_path)
     if path.suffix == ".gguf" or "/" in text or os.sep in text:
         raise ModelLoadError(f"no such model file: {text}")
     entries = load_registry(registry)

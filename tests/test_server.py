@@ -348,6 +348,9 @@ def test_logprobs_come_from_the_full_distribution(some_server: Server, stream: b
 
 @pytest.mark.parametrize("body, status, needle", [
     (b"{not json", 400, "not valid JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "not valid JSON: nested too deeply"),
+    (b'{"messages": [{"role": "user", "content": ' + b'{"a": ' * 50_000 + b"1" + b"}" * 50_000 + b"}]}", 400,
+     "not valid JSON: nested too deeply"),
     (json.dumps({"messages": "hello"}).encode(), 400, "messages"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}).encode(), 400, "max_tokens"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}).encode(), 400, "tools"),

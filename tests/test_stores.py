@@ -17,13 +17,14 @@ import pytest
 from specee_edge.default_model import default_model_path
 from specee_edge.errors import ModelLoadError
 from specee_edge.pack.locate import cached_pack_path, find_pack, pack_beside
-from specee_edge.stores import pack_output, resolve_stored, stored_models
+from specee_edge import stores as stores_module
+from specee_edge.stores import llama_cpp_dir, pack_output, resolve_stored, stored_models
 from tests.conftest import SHIPPED_PACK
 from tests.tiny_gguf import TinyConfig, write_tiny_model
 
 CLI = Path(sys.executable).parent / "specee-edge"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-STORE_ENV = ("OLLAMA_MODELS", "LLAMA_CACHE", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE")
+STORE_ENV = ("OLLAMA_MODELS", "LLAMA_CACHE", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE", "LOCALAPPDATA")
 
 
 def ollama_put(root: Path, name: str, tag: str, model: Path, *, link: bool = False) -> Path:
@@ -68,6 +69,7 @@ def stores(tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     home = tmp_path / "home"
     monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(stores_module, "OLLAMA_SYSTEM_STORE", tmp_path / "usr-share-ollama" / ".ollama" / "models")
     monkeypatch.setenv("SPECEE_CACHE", str(tmp_path / "specee"))
     llama = write_tiny_model(tmp_path / "tiny-Q4_K_M.gguf", TinyConfig("llama"))
     gpt2 = write_tiny_model(tmp_path / "gpt2.gguf", TinyConfig("gpt2"))
@@ -136,3 +138,57 @@ def test_a_pack_for_a_model_in_a_store_is_kept_and_found_by_its_fingerprint(stor
                               capture_output=True, text=True, env=env, timeout=120)
     assert generate.returncode == 0, generate.stderr
     assert json.loads(generate.stdout)["pack"] == str(output)
+
+
+def test_llama_cpps_cache_folder_is_where_llama_cpp_puts_it_on_each_os(stores, tmp_path, monkeypatch):
+    home = Path(os.environ["HOME"])
+    assert llama_cpp_dir("Linux") == home / ".cache" / "llama.cpp"
+    assert llama_cpp_dir("Darwin") == home / "Library" / "Caches" / "llama.cpp"
+    monkeypatch.setenv("LOCALAPPDATA", str(tmp_path / "AppData" / "Local"))
+    assert llama_cpp_dir("Windows") == tmp_path / "AppData" / "Local" / "llama.cpp"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert llama_cpp_dir("Linux") == tmp_path / "xdg" / "llama.cpp"
+    monkeypatch.setenv("LLAMA_CACHE", str(tmp_path / "moved"))
+    assert llama_cpp_dir("Darwin") == llama_cpp_dir("Windows") == tmp_path / "moved"
+
+
+def test_ollamas_system_store_and_a_custom_lm_studio_folder_are_found(stores, tmp_path):
+    llama = stores["ollama:qwen2.5:0.5b"]
+    service = ollama_put(stores_module.OLLAMA_SYSTEM_STORE, "llama3.2", "1b", llama)
+    home = Path(os.environ["HOME"])
+    custom = tmp_path / "my-models" / "pub" / "tiny-GGUF" / "tiny-Q4_0.gguf"
+    custom.parent.mkdir(parents=True)
+    shutil.copyfile(llama, custom)
+    (home / ".lmstudio").mkdir(exist_ok=True)
+    (home / ".lmstudio" / "settings.json").write_text(json.dumps({"downloadsFolder": str(tmp_path / "my-models")}))
+    found = {m.name: m.path for m in stored_models()}
+    assert found["ollama:llama3.2:1b"] == service and resolve_stored("ollama:llama3.2:1b") == service
+    assert found["ollama:qwen2.5:0.5b"] == llama  # the user's store, as before
+    assert found["lmstudio:pub/tiny-GGUF/tiny-Q4_0.gguf"] == custom
+    assert resolve_stored("lmstudio:pub/tiny-GGUF/tiny-Q4_0.gguf") == custom
+    assert "lmstudio:lmstudio-community/tiny-GGUF/tiny-Q4_K_M.gguf" in found  # the default folder still
+
+
+def test_the_models_list_fits_80_columns_and_info_takes_its_names(stores):
+    env = dict(os.environ, COLUMNS="80")
+    result = subprocess.run([CLI, "models"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert max(map(len, lines)) <= 80
+    for name in [*stores, "smollm2-135m-instruct"]:
+        assert name in lines  # whole, on a line of its own: it can be copied
+    for name in ("smollm2-135m-instruct", "ollama:qwen2.5:0.5b", "hf:tester/tiny-GGUF/tiny-Q4_K_M.gguf"):
+        info = subprocess.run([CLI, "info", name], capture_output=True, text=True, env=env, timeout=120)
+        assert info.returncode == 0 and "architecture" in info.stdout, (name, info.stderr)
+
+
+def test_llama_cache_holding_llama_cpps_hugging_face_cache_lists_each_model_once(stores, tmp_path, monkeypatch):
+    # this llama.cpp's -hf keeps the Hugging Face layout in LLAMA_CACHE; older releases kept flat files there
+    moved = tmp_path / "llama-cache"
+    llama = stores["ollama:qwen2.5:0.5b"]
+    link = hf_put(moved, "tester/moved-GGUF", "moved-Q4_K_M.gguf", llama)
+    shutil.copyfile(llama, moved / "old_flat-Q4_0.gguf")
+    monkeypatch.setenv("LLAMA_CACHE", str(moved))
+    names = [m.name for m in stored_models() if m.path.is_relative_to(moved)]
+    assert sorted(names) == ["hf:tester/moved-GGUF/moved-Q4_K_M.gguf", "llama.cpp:old_flat-Q4_0.gguf"]
+    assert resolve_stored("hf:tester/moved-GGUF/moved-Q4_K_M.gguf") == link

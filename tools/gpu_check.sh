@@ -40,14 +40,8 @@ if [ "$SPECEE_BACKEND" = cuda ]; then
     if [ -d /usr/local/cuda/lib64 ]; then export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
     nvcc --version | tail -n 1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    # only the GPU present: its compute capability (9.0 -> 90), else CMake's own detection
-    arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '. ' || true)
-    export SPECEE_CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=${arch:-native} ${SPECEE_CMAKE_ARGS:-}"
-    # libggml-cuda (CUDA 13) exports weak libstdc++ template instances that would take precedence over the
-    # library's own for libllama and crash model loading in print_info: load the system libstdc++ first
-    # (docs/runtime.md, GPU check)
-    libstdcxx=$("$PYTHON" -c "import ctypes.util; print(ctypes.util.find_library('stdc++') or '')")
-    if [ -n "$libstdcxx" ]; then export LD_PRELOAD="$libstdcxx${LD_PRELOAD:+:$LD_PRELOAD}"; fi
+    # the build is for the GPU present (build_runtime.py asks nvidia-smi), and the package loads the system
+    # libstdc++ before a CUDA build's libllama (specee_edge/libstdcxx.py)
 else
     export SPECEE_GPU_TESTS_ON_CPU=1  # tests/test_gpu.py's comparisons run with both loads on the CPU
 fi

@@ -118,7 +118,7 @@ def bench(
                 dropped.append(f"llama-server: {e}")
                 err_console.print(f"[yellow]llama-server lanes dropped:[/] {e}", highlight=False)
         config = BenchConfig(
-            model=resolve_model(pick_model(model, None, hf_repo, hf_file)), pack=pack or AUTO, prompt_set=prompts, num_prompts=num_prompts,
+            model=resolve_model(pick_model(model, None, hf_repo, hf_file)).path, pack=pack or AUTO, prompt_set=prompts, num_prompts=num_prompts,
             tokens=tokens, kv_modes=modes, threads=threads or default_threads(), quality=quality, threshold=threshold,
             ppl_tokens=ppl_tokens, python_policy=python_policy, sampled=sampled, peer=peer, lookup_lane=lookup_lane, seed=seed,
             flash_attn=flash_attn.value,

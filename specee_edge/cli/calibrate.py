@@ -67,7 +67,7 @@ def calibrate(
         set_placement(rpc_workers, n_gpu_layers, tensor_split, rpc_timeout, offload_first)
         if model is None and hf_repo is None:
             raise SpecEEError("give the model to calibrate: a GGUF, a registry name, or -hf USER/REPO[:QUANT]")
-        model_path = resolve_model(pick_model(model, None, hf_repo, hf_file))
+        model_path = resolve_model(pick_model(model, None, hf_repo, hf_file)).path
         try:
             level_list = tuple(sorted({float(q) for q in levels.split(",")}))
         except ValueError:

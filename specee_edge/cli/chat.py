@@ -130,8 +130,8 @@ def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str,
     from specee_edge.threads import default_threads
     from specee_edge.pull import resolve_model
 
-    model_path = resolve_model(opts.model)
-    label = opts.model or _registry_name(model_path) or str(model_path)
+    model = resolve_model(opts.model)
+    model_path, label = model.path, model.name
     if opts.threshold is not None and not 0.0 <= opts.threshold <= 1.0:
         raise SpecEEError(f"--threshold is a probability: 0..1, got {opts.threshold:g}")
     set_placement(opts.rpc, opts.n_gpu_layers, opts.tensor_split, opts.rpc_timeout, opts.offload_first)
@@ -151,17 +151,6 @@ def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str,
         notice = (f"no pack for {label}: exact mode with prompt-lookup drafts only; `specee-edge calibrate {label}`"
                   " adds exit drafts and lossy quality levels")
     return engine, label, notice
-
-
-def _registry_name(model_path: Path) -> str | None:
-    """The registry name of a model file, so that messages can name a command that works."""
-    from specee_edge.pull import pulled_path
-    from specee_edge.registry import load_registry
-
-    try:
-        return next((e.name for e in load_registry().values() if pulled_path(e) == model_path), None)
-    except (SpecEEError, OSError, ValueError):
-        return None
 
 
 def set_placement(rpc_workers: str | None, n_gpu_layers: str | None, tensor_split: str | None,

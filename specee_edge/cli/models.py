@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.measure import Measurement
 from rich.table import Column, Table
 
 from specee_edge.cli.app import app, console
@@ -19,20 +20,28 @@ def models() -> None:
     from specee_edge.stores import split_size, stored_models
 
     found = stored_models()
-    table = Table(Column("name", no_wrap=True), "store", "arch", "size", "early exit", "pack", show_edge=False)
+    if not found:
+        console.print("no model GGUFs found: `specee-edge pull NAME`, or -hf USER/REPO[:QUANT] on chat, fetch one")
+        return
+    rows = []
     for model in found:
         try:
             arch = str(GGUFIndex(model.path).value("general.architecture"))
         except ModelLoadError:
-            table.add_row(model.name, model.store, "unreadable", _size(model.path.stat().st_size), "-", "-")
+            rows.append((model.name, model.store, "unreadable", _size(model.path.stat().st_size), "-", "-"))
             continue
         pack = find_pack(model.path)
-        table.add_row(model.name, model.store, arch, _size(split_size(model.path)),
-                      "yes" if arch in ARCHS else "no", "-" if pack is None else pack_origin(pack, model.path))
-    if found:
+        rows.append((model.name, model.store, arch, _size(split_size(model.path)), "yes" if arch in ARCHS else "no",
+                     "-" if pack is None else pack_origin(pack, model.path)))
+    table = Table(Column("name", no_wrap=True), "store", "arch", "size", "early exit", "pack", show_edge=False)
+    for row in rows:
+        table.add_row(*row)
+    if Measurement.get(console, console.options.update_width(10**6), table).maximum <= console.width:
         console.print(table)
-    else:
-        console.print("no model GGUFs found: `specee-edge pull NAME`, or -hf USER/REPO[:QUANT] on chat, fetch one")
+        return
+    for name, store, arch, size, early_exit, pack in rows:  # too narrow: each name whole on its line, the rest below
+        console.print(name, style="bold", highlight=False, soft_wrap=True)
+        console.print(f"  {store} · {arch} · {size} · early exit {early_exit} · pack {pack}", highlight=False)
 
 
 def _size(n_bytes: int) -> str:

@@ -36,12 +36,15 @@ def version() -> None:
 
 
 @app.command()
-def info(path: Annotated[Path, typer.Argument(help="a model GGUF or a specee pack")]) -> None:
+def info(model: Annotated[str, typer.Argument(help="a model GGUF, a name `specee-edge models` shows, or a "
+                                                   "specee pack")]) -> None:
     """Summarize a model GGUF or a pack: architecture, layers, sizes, schedule, predictors, provenance."""
+    from specee_edge.cli.chat import pick_model
     from specee_edge.cli.info import summarize
+    from specee_edge.pull import resolve_model
 
     try:
-        console.print(summarize(path))
+        console.print(summarize(resolve_model(pick_model(model, None)).path))
     except SpecEEError as e:
         raise fail(e) from None
 

@@ -7,8 +7,6 @@ One sequence per context; positions follow the KV cache (each decode appends).
 from __future__ import annotations
 
 import ctypes
-import os
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,10 +32,6 @@ SEQ = 0
 FLASH_ATTN = {"auto": _llama.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": _llama.LLAMA_FLASH_ATTN_TYPE_ENABLED,
               "off": _llama.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 MIN_BATCH = 3  # n_batch at least 3: every decode of two tokens or more then splits into chunks of two or more
-
-# Test-only knobs (tests/test_controller_runtime.py and the bench's controller check): each llama_decode of one token
-# (STEP) or of several (BATCH) is made this many times as long, by sleeping, to play a machine where that costs more.
-SLOWDOWN_ENV = {"step": "SPECEE_TEST_STEP_COST", "batch": "SPECEE_TEST_BATCH_COST"}
 
 # how the runtime stores draft matrices (ggml type ids)
 DRAFT_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
@@ -134,7 +128,6 @@ class Context:
         self._c_callback = probe_callback_t(lambda il, z, n, _: this()._on_probe(il, z, n) if this() else 0)
         self._callback_error: BaseException | None = None
         self._cand_view: np.ndarray | None = None
-        self._slowdown = {kind: float(os.environ.get(name, "1")) for kind, name in SLOWDOWN_ENV.items()}
 
     # --- early exit set-up -------------------------------------------------------------------
 
@@ -395,7 +388,6 @@ class Context:
         if output_all and len(tokens) > self.n_batch:  # logits(row) reads the last llama_decode's outputs only
             raise SpecEEError(f"a decode with every row's logits takes at most n_batch = {self.n_batch} tokens,"
                               f" got {len(tokens)}")
-        t0 = time.perf_counter()
         for i, chunk in enumerate(self._chunks(list(tokens))):
             if i and cancel is not None and cancel():
                 raise DecodeCancelled(f"cancelled after {self.n_past} of the prompt's tokens")
@@ -410,9 +402,6 @@ class Context:
                 raise ContextFullError("context full: no KV cache slot for the batch")
             if rc != 0:
                 raise SpecEEError(f"llama_decode failed ({rc})")
-        slowdown = self._slowdown["step" if len(tokens) == 1 else "batch"]
-        if slowdown != 1.0:
-            time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
         return self.exit_layer
 
     def _chunks(self, tokens: list[int]) -> list[list[int]]:

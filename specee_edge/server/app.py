@@ -361,6 +361,8 @@ def _json(raw: bytes) -> object:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # arrays or objects nested thousands deep: the client's malformed request
+        raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
 
 
 def _validate(model: type[Body], data: object) -> Body:
