@@ -26,11 +26,8 @@ step() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 if [ "$SPECEE_BACKEND" = cuda ]; then
     if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
     if [ -d /usr/local/cuda/lib64 ]; then export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
-    arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '. ' || true)
-    export SPECEE_CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=${arch:-native} ${SPECEE_CMAKE_ARGS:-}"
-    # CUDA 13's libggml-cuda and libllama disagree on libstdc++'s locale facets unless the system one loads first
-    libstdcxx=$("$PYTHON" -c "import ctypes.util; print(ctypes.util.find_library('stdc++') or '')")
-    if [ -n "$libstdcxx" ]; then export LD_PRELOAD="$libstdcxx${LD_PRELOAD:+:$LD_PRELOAD}"; fi
+    # the builds are for the GPU present (build_runtime.py asks nvidia-smi), and the package loads the system
+    # libstdc++ before a CUDA build's libllama (specee_edge/libstdcxx.py)
 fi
 sdist=$(ls "$BUNDLE"/llama_cpp_python-*.tar.gz 2>/dev/null | head -n 1 || true)
 [ -n "$sdist" ] || { echo "error: no sdist in $BUNDLE: run tools/gpu_bundle.py --models where there is a network" >&2; exit 2; }
@@ -39,7 +36,7 @@ case "$step_name" in
 build)
     step "installing the bundle's wheels into $WORK/site"
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$WORK/site" "$BUNDLE"/wheels/*.whl
-    step "building the patched runtime ($SPECEE_BACKEND, $SPECEE_CMAKE_ARGS) on $(nproc) cores"
+    step "building the patched runtime ($SPECEE_BACKEND) on $(nproc) cores"
     "$PYTHON" tools/build_runtime.py --sdist "$sdist" --target "$WORK/site"
     step "building llama-server from the same tree"
     "$PYTHON" tools/build_llama_server.py --sdist "$sdist" | tail -n 1
