@@ -13,7 +13,7 @@ import pytest
 from specee_edge.errors import SpecEEError
 from specee_edge.runtime import Context, Model
 from specee_edge.runtime.placement import (ALL_LAYERS, OFFLOAD_FIRST_KEY, Placement, describe_devices,
-                                           parse_gpu_layers, parse_tensor_split)
+                                           parse_gpu_layers, parse_tensor_overrides, parse_tensor_split)
 from tests.conftest import supported_model_path
 from tests.test_runtime import TINY_PROMPT, greedy
 
@@ -79,3 +79,30 @@ def test_without_devices_offload_first_loads_on_the_cpu_and_decodes_the_same_tok
         ctx.close()
         model.close()
     assert tokens[True] == tokens[False]
+
+
+def test_tensor_overrides_parse_as_llama_cpps_and_reach_llama_server():
+    assert parse_tensor_overrides(["ffn_.*=CPU,attn_q=CPU", "output=CPU"]) == (
+        ("ffn_.*", "CPU"), ("attn_q", "CPU"), ("output", "CPU"))
+    assert parse_tensor_overrides(None) == ()
+    for bad in ("ffn_.*", "=CPU", "ffn="):
+        with pytest.raises(SpecEEError, match="-ot/--override-tensor"):
+            parse_tensor_overrides([bad])
+    args = Placement(99, tensor_overrides=(("ffn_.*", "CPU"),)).llama_server_args()
+    assert args[-2:] == ["-ot", "ffn_.*=CPU"]
+
+
+def test_a_users_tensor_override_is_taken_as_given(tiny_dir):
+    """-ot moves the weights it matches and nothing else: the model loads and decodes the same tokens; an unknown
+    buffer type is one line naming the ones there are."""
+    path = supported_model_path(tiny_dir, "llama")
+    tokens = []
+    for overrides in ((), (("blk\\.1\\..*", "CPU"),)):
+        model = Model(path, placement=Placement(ALL_LAYERS, tensor_overrides=overrides))
+        ctx = Context(model, n_ctx=64, n_threads=1)
+        tokens.append(greedy(ctx, model.tokenize(TINY_PROMPT), 8))
+        ctx.close()
+        model.close()
+    assert tokens[0] == tokens[1]
+    with pytest.raises(SpecEEError, match="no buffer type CUDA7 here; there are .*CPU"):
+        Model(path, placement=Placement(tensor_overrides=(("ffn_.*", "CUDA7"),)))

@@ -264,6 +264,8 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
     base = plain.timing if plain else vanilla.timing
     rpc_result = rpc_report(model.workers, vanilla) if model.workers else None
     where = model.placement_text()  # read now: the engines, and their models, are closed before the report
+    if model.placement.tensor_overrides:  # llama-cpp-python 0.3.36's Llama has no way to pass them
+        where += " (not in the llama-cpp-python lanes: Llama cannot take -ot)"
     categories = [p.category for p in selected]
     greedy_choices = [exact_choices(lane, vanilla, categories) for lane in lanes]
     costs = measure_costs(config, prompts, llm, first, seq_ctx, reporter) if pack else None

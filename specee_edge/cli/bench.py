@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from specee_edge.cli.app import app, console, err_console, fail
 from specee_edge.cli.chat import (RPC_TIMEOUT_S, FlashAttn, FlashAttnSetting, GpuLayers, HfFile, HfRepo, Rpc,
-                                  OffloadFirst, RpcTimeout, TensorSplit, pick_model, set_placement)
+                                  OffloadFirst, OverrideTensor, RpcTimeout, TensorSplit, pick_model, set_placement)
 from specee_edge.errors import SpecEEError
 
 REFRESH_S = 0.2
@@ -68,6 +68,7 @@ def bench(
     rpc_timeout: RpcTimeout = RPC_TIMEOUT_S,
     tensor_split: TensorSplit = None,
     offload_first: OffloadFirst = False,
+    override_tensor: OverrideTensor = None,
     quality: Annotated[str | None, typer.Option("--quality", show_default=False, help=(
         "the pack's quality levels to run, each its own SpecEE lane: exact (the full model's own answers, drafts "
         "verified in batches) or a lossy level's agreement with the full model; all, or a list such as exact,0.95 "
@@ -106,7 +107,7 @@ def bench(
     try:
         if mode != "all" and mode not in KV_MODES:
             raise SpecEEError(f"unknown KV mode {mode!r}: choose {', '.join(KV_MODES)} or all")
-        set_placement(rpc_workers, n_gpu_layers, tensor_split, rpc_timeout, offload_first)
+        set_placement(rpc_workers, n_gpu_layers, tensor_split, rpc_timeout, offload_first, override_tensor)
         spec_types = parse_spec_types(spec_type)
         if draft_model is not None and not draft_model.is_file():
             raise SpecEEError(f"no draft model at {draft_model}")

@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 
 from specee_edge.cli.app import app, console, err_console, fail
-from specee_edge.cli.chat import (RPC_TIMEOUT_S, GpuLayers, HfFile, HfRepo, OffloadFirst, Rpc, RpcTimeout, TensorSplit,
-                                  pick_model, set_placement)
+from specee_edge.cli.chat import (RPC_TIMEOUT_S, GpuLayers, HfFile, HfRepo, OffloadFirst, OverrideTensor, Rpc,
+                                  RpcTimeout, TensorSplit, pick_model, set_placement)
 from specee_edge.errors import SpecEEError
 
 
@@ -31,6 +31,7 @@ def calibrate(
     rpc_timeout: RpcTimeout = RPC_TIMEOUT_S,
     tensor_split: TensorSplit = None,
     offload_first: OffloadFirst = False,
+    override_tensor: OverrideTensor = None,
     seed: Annotated[int, typer.Option("-s", "--seed", help="seed of the splits and the MLPs")] = 0,
     levels: Annotated[str, typer.Option("--levels", help="quality levels: the agreements with the full model to aim for, comma-separated (each ships under the agreement the low end of its held-out 95% interval reaches)")] = "0.9,0.95,0.98,0.99,0.995",
     quality: Annotated[float | None, typer.Option("--quality", help="make a lossy level the pack's default (one of --levels; it keeps the name it ships under) [default: exact mode]")] = None,
@@ -64,7 +65,7 @@ def calibrate(
         replay_tokens = DEFAULT_SIZE.replay_tokens if replay_tokens is None else replay_tokens
         heldout_tokens = DEFAULT_SIZE.heldout_tokens if heldout_tokens is None else heldout_tokens
         identical_tokens = DEFAULT_SIZE.identical_tokens if identical_tokens is None else identical_tokens
-        set_placement(rpc_workers, n_gpu_layers, tensor_split, rpc_timeout, offload_first)
+        set_placement(rpc_workers, n_gpu_layers, tensor_split, rpc_timeout, offload_first, override_tensor)
         if model is None and hf_repo is None:
             raise SpecEEError("give the model to calibrate: a GGUF, a registry name, or -hf USER/REPO[:QUANT]")
         model_path = resolve_model(pick_model(model, None, hf_repo, hf_file)).path

@@ -38,6 +38,9 @@ GpuLayers = Annotated[str | None, typer.Option("-ngl", "--n-gpu-layers", show_de
 OffloadFirst = Annotated[bool, typer.Option("--offload-first", help=(
     "SpecEE's placement: -ngl offloads the FIRST layers (and the output layer) instead of llama.cpp's last ones, so"
     " that a token leaving early skips the layers left on the CPU; same -ngl, same device memory"))]
+OverrideTensor = Annotated[list[str] | None, typer.Option("-ot", "--override-tensor", show_default=False, help=(
+    "weights whose name matches PATTERN go to BUFFER_TYPE (CPU, CUDA0, ...), as llama.cpp's -ot: PATTERN=TYPE,"
+    " comma-separated, the flag repeatable; after -ngl placed the layers (their KV cache stays where -ngl put it)"))]
 Rpc = Annotated[str | None, typer.Option("--rpc", show_default=False, help=(
     "comma-separated RPC workers (HOST:PORT, each running `specee-edge rpc-worker`): the offloaded layers go to them,"
     " as llama.cpp's --rpc; the first layers stay on this machine. RPC has no authentication: trusted networks only"))]
@@ -113,6 +116,7 @@ class EngineOptions:
     tensor_split: str | None = None
     rpc_timeout: float = RPC_TIMEOUT_S
     offload_first: bool = False
+    override_tensor: list[str] | None = None
     speculation: str = "auto"
     flash_attn: str = "auto"
 
@@ -134,7 +138,8 @@ def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str,
     model_path, label = model.path, model.name
     if opts.threshold is not None and not 0.0 <= opts.threshold <= 1.0:
         raise SpecEEError(f"--threshold is a probability: 0..1, got {opts.threshold:g}")
-    set_placement(opts.rpc, opts.n_gpu_layers, opts.tensor_split, opts.rpc_timeout, opts.offload_first)
+    set_placement(opts.rpc, opts.n_gpu_layers, opts.tensor_split, opts.rpc_timeout, opts.offload_first,
+                  opts.override_tensor)
     config = EngineConfig(n_ctx=opts.n_ctx, n_threads=opts.threads or default_threads(), kv_mode=opts.kv_mode,
                           quality=parse_quality(opts.quality), threshold=opts.threshold, early_exit=opts.early_exit,
                           speculation=opts.speculation, flash_attn=opts.flash_attn)
@@ -154,14 +159,16 @@ def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str,
 
 
 def set_placement(rpc_workers: str | None, n_gpu_layers: str | None, tensor_split: str | None,
-                  rpc_timeout: float = RPC_TIMEOUT_S, offload_first: bool = False) -> None:
-    """-ngl, -ts, --offload-first, --rpc and --rpc-timeout: where every model this command loads puts its layers
-    (the workers are connected now, so that one that is not there is an error before anything loads)."""
+                  rpc_timeout: float = RPC_TIMEOUT_S, offload_first: bool = False,
+                  override_tensor: list[str] | None = None) -> None:
+    """-ngl, -ts, --offload-first, -ot, --rpc and --rpc-timeout: where every model this command loads puts its
+    layers (the workers are connected now, so that one that is not there is an error before anything loads)."""
     from specee_edge.runtime import placement, rpc
 
     endpoints = rpc.parse_endpoints(rpc_workers) if rpc_workers is not None else ()
     layers = placement.parse_gpu_layers(n_gpu_layers if n_gpu_layers is not None else "all" if endpoints else "0")
-    chosen = placement.Placement(layers, placement.parse_tensor_split(tensor_split), offload_first)
+    chosen = placement.Placement(layers, placement.parse_tensor_split(tensor_split), offload_first,
+                                 placement.parse_tensor_overrides(override_tensor))
     rpc.connect(endpoints, rpc_timeout)
     placement.set_default(chosen)
 
@@ -216,6 +223,7 @@ def chat(
     rpc_timeout: RpcTimeout = RPC_TIMEOUT_S,
     tensor_split: TensorSplit = None,
     offload_first: OffloadFirst = False,
+    override_tensor: OverrideTensor = None,
     threads: Threads = None,
     seed: Seed = -1,
     temp: Temp = 0.8,
@@ -242,7 +250,7 @@ def chat(
     try:
         opts = EngineOptions(pick_model(model, model_opt, hf_repo, hf_file), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
                              quality, threshold, not no_early_exit, rpc_workers, tensor_split, rpc_timeout,
-                             offload_first, speculation=speculation, flash_attn=flash_attn.value)
+                             offload_first, override_tensor, speculation=speculation, flash_attn=flash_attn.value)
         settings = ReplSettings(sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed), n_predict,
                                 system_prompt, chat_template_text(chat_template), verbose, color_exits)
         engine, label, notice = load_engine(opts, strict_pack=False)
@@ -297,6 +305,7 @@ def generate(
     rpc_timeout: RpcTimeout = RPC_TIMEOUT_S,
     tensor_split: TensorSplit = None,
     offload_first: OffloadFirst = False,
+    override_tensor: OverrideTensor = None,
     threads: Threads = None,
     seed: Seed = -1,
     temp: Temp = 0.8,
@@ -322,7 +331,7 @@ def generate(
         text = _prompt_text(prompt, file)
         opts = EngineOptions(pick_model(model, model_opt, hf_repo, hf_file), pack, ctx_size, n_gpu_layers, threads, kv_mode.value if kv_mode else None,
                              quality, threshold, not no_early_exit, rpc_workers, tensor_split, rpc_timeout,
-                             offload_first, speculation=speculation, flash_attn=flash_attn.value)
+                             offload_first, override_tensor, speculation=speculation, flash_attn=flash_attn.value)
         sampling = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
         template = chat_template_text(chat_template)
         engine, _, notice = load_engine(opts, strict_pack=True)

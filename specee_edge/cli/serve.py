@@ -10,9 +10,9 @@ import typer
 
 from specee_edge.cli.app import app, console, fail
 from specee_edge.cli.chat import (RPC_TIMEOUT_S, ChatTemplate, CtxSize, EngineOptions, FlashAttn, FlashAttnSetting,
-                                  GpuLayers, HfFile, HfRepo, KvModeOpt, ModelArg, ModelOpt, OffloadFirst, PackOpt, Quality, Rpc,
-                                  RpcTimeout, Speculation, TensorSplit, Threads, chat_template_text, load_engine,
-                                  pick_model)
+                                  GpuLayers, HfFile, HfRepo, KvModeOpt, ModelArg, ModelOpt, OffloadFirst,
+                                  OverrideTensor, PackOpt, Quality, Rpc, RpcTimeout, Speculation, TensorSplit, Threads,
+                                  chat_template_text, load_engine, pick_model)
 from specee_edge.errors import SpecEEError
 
 
@@ -31,6 +31,7 @@ def serve(
     rpc_timeout: RpcTimeout = RPC_TIMEOUT_S,
     tensor_split: TensorSplit = None,
     offload_first: OffloadFirst = False,
+    override_tensor: OverrideTensor = None,
     threads: Threads = None,
     quality: Quality = None,
     speculation: Speculation = "auto",
@@ -62,7 +63,7 @@ def serve(
         listener = _listen(host, port)
         opts = EngineOptions(pick_model(model, model_opt, hf_repo, hf_file), pack, ctx_size, n_gpu_layers, threads,
                              kv_mode.value if kv_mode else None, quality, None, True, rpc_workers, tensor_split, rpc_timeout,
-                             offload_first, speculation=speculation, flash_attn=flash_attn.value)
+                             offload_first, override_tensor, speculation=speculation, flash_attn=flash_attn.value)
         template = chat_template_text(chat_template)
         engine, label, notice = load_engine(opts, strict_pack=False)
     except SpecEEError as e:

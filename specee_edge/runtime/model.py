@@ -90,7 +90,11 @@ class Model:
     def placement_text(self) -> str:
         """Where the layers run, for people: "layers 0-14 on CUDA0, layers 15-29 on CPU; the output on CUDA0"."""
         text = describe_devices(self.layer_devices())
-        return f"{text} (--offload-first)" if self.placement.offload_first else text
+        if self.placement.offload_first:
+            text += " (--offload-first)"
+        if self.placement.tensor_overrides:
+            text += "; -ot " + ",".join(f"{pattern}={buft}" for pattern, buft in self.placement.tensor_overrides)
+        return text
 
     def meta(self, key: str) -> str | None:
         size = 1024

@@ -22,9 +22,16 @@ from dataclasses import dataclass
 from llama_cpp import llama_cpp as _llama
 
 from specee_edge.errors import ModelLoadError, SpecEEError
+from specee_edge.runtime import rpc
 
 OFFLOAD_FIRST_KEY = "specee.offload_first"
 ALL_LAYERS = 999  # -ngl all: more than any model has, so llama.cpp offloads every layer and the output
+
+
+class _TensorBufferOverride(ctypes.Structure):
+    """struct llama_model_tensor_buft_override (llama.h): weights whose name matches `pattern` go to `buft`."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,9 @@ class Placement:
     n_gpu_layers: int = 0  # llama.cpp's -ngl: the output layer counts as one
     tensor_split: tuple[float, ...] = ()  # -ts: the offloaded layers' shares per device (empty: by free memory)
     offload_first: bool = False  # SpecEE's: the first repeating layers go to the devices, not the last
+    # -ot, the user's own, taken as given: (tensor name pattern, buffer type), e.g. ("ffn_.*", "CPU"); they move
+    # the weights they match, after the layers were placed (the KV cache and the layer map stay)
+    tensor_overrides: tuple[tuple[str, str], ...] = ()
 
     def offloaded(self, n_layer: int) -> list[bool]:
         """Per repeating layer, then the output layer (n_layer + 1 entries): whether it goes to a device, where the
@@ -55,6 +65,8 @@ class Placement:
             args += ["-ts", ",".join(f"{share:g}" for share in self.tensor_split)]
         args += [arg for key, value in self.kv_overrides().items()
                  for arg in ("--override-kv", f"{key}=bool:{str(value).lower()}")]
+        if self.tensor_overrides:
+            args += ["-ot", ",".join(f"{pattern}={buft}" for pattern, buft in self.tensor_overrides)]
         return args
 
     def apply(self, params: _llama.llama_model_params) -> list[object]:
@@ -79,7 +91,40 @@ class Placement:
                 entry.value.val_bool = value
             params.kv_overrides = array
             keep.append(array)
+        if self.tensor_overrides:
+            types = buffer_types()
+            unknown = sorted({buft for _, buft in self.tensor_overrides if buft not in types})
+            if unknown:
+                raise ModelLoadError(f"-ot/--override-tensor: no buffer type {', '.join(unknown)} here; there are "
+                                     f"{', '.join(sorted(types))}")
+            array = (_TensorBufferOverride * (len(self.tensor_overrides) + 1))()  # the last, zeroed, ends the list
+            for entry, (pattern, buft) in zip(array, self.tensor_overrides):
+                entry.pattern, entry.buft = pattern.encode(), types[buft]
+            params.tensor_buft_overrides = ctypes.cast(array, ctypes.c_void_p)
+            keep.append(array)
         return keep
+
+
+def buffer_types() -> dict[str, int]:
+    """Every device's buffer type by its name, as llama.cpp's -ot takes them ("CPU", "CUDA0", "RPC0[host:port]")."""
+    ggml = rpc.libggml
+    types = {}
+    for i in range(ggml.ggml_backend_dev_count()):
+        buft = ggml.ggml_backend_dev_buffer_type(ggml.ggml_backend_dev_get(i))
+        if buft:
+            types[ggml.ggml_backend_buft_name(buft).decode()] = buft
+    return types
+
+
+def parse_tensor_overrides(values: list[str] | None) -> tuple[tuple[str, str], ...]:
+    """-ot: PATTERN=BUFFER_TYPE, comma-separated, the flag given any number of times (llama.cpp's spelling)."""
+    overrides = []
+    for item in (part for value in values or () for part in value.split(",") if part):
+        pattern, sep, buft = item.partition("=")
+        if not sep or not pattern or not buft:
+            raise SpecEEError(f"-ot/--override-tensor takes PATTERN=BUFFER_TYPE such as 'ffn_.*=CPU', got {item!r}")
+        overrides.append((pattern, buft))
+    return tuple(overrides)
 
 
 def describe_devices(devices: list[str]) -> str:

@@ -52,6 +52,11 @@ for _name, _args, _res in (
     ("ggml_backend_dev_memory", [_dev_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)], None),
     ("ggml_backend_register", [_reg_p], None),
     ("ggml_backend_dev_by_type", [ctypes.c_int], _dev_p),
+    # every device's buffer type by name, as llama.cpp's -ot names them (runtime.placement)
+    ("ggml_backend_dev_count", [], ctypes.c_size_t),
+    ("ggml_backend_dev_get", [ctypes.c_size_t], _dev_p),
+    ("ggml_backend_dev_buffer_type", [_dev_p], ctypes.c_void_p),
+    ("ggml_backend_buft_name", [ctypes.c_void_p], ctypes.c_char_p),
 ):
     getattr(libggml, _name).argtypes = _args
     getattr(libggml, _name).restype = _res
