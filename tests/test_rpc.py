@@ -78,20 +78,27 @@ def client(command: str, pack: Path, workers: str, layers: str = str(N_GPU_LAYER
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
-def test_a_model_split_across_two_workers_answers_as_on_one_machine(workers, exact_pack):  # noqa: F811
-    proc = client("compare", exact_pack, workers)
+def compare_split(pack: Path, workers: str, layers: str) -> tuple[dict, list[int]]:
+    """The client's `compare` with LAYERS on the workers: its answers must be the one machine's (tokens, exits and
+    logits, since the workers run the same CPU kernels: the logits are the same to the bit). Returns the result and
+    the layers the lossy and exact answers' tokens exited at."""
+    proc = client("compare", pack, workers, layers=layers)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     result = json.loads(out.splitlines()[-1])
-    first_remote = result["n_layer"] + 1 - N_GPU_LAYERS
     for mode in ("plain", "lossy", "exact"):
         for local, remote in zip(result["local"][mode], result["rpc"][mode]):
             assert remote["tokens"] == local["tokens"], mode
             assert remote["exits"] == local["exits"], mode
-            # the workers run the same CPU kernels: not only the tokens, the logits are the same to the bit
             assert remote["last_logits"] == local["last_logits"], mode
-    # exits stop after layers that live on the workers, and after the client's (the remote splits then never run)
     exits = [il for mode in ("lossy", "exact") for answer in result["rpc"][mode] for il in answer["exits"] if il is not None]
+    return result, exits
+
+
+def test_a_model_split_across_two_workers_answers_as_on_one_machine(workers, exact_pack):  # noqa: F811
+    result, exits = compare_split(exact_pack, workers, str(N_GPU_LAYERS))
+    first_remote = result["n_layer"] + 1 - N_GPU_LAYERS
+    # exits stop after layers that live on the workers, and after the client's (the remote splits then never run)
     assert any(il >= first_remote for il in exits) and any(il < first_remote for il in exits), exits
     # every layer past the split waits for the workers; a stop or a probe there adds replies
     assert result["replies_per_token"]["plain"] >= 1
@@ -102,21 +109,12 @@ def test_a_model_split_across_two_workers_answers_as_on_one_machine(workers, exa
 def test_spec_ees_placement_puts_the_first_layers_on_the_workers_and_answers_as_on_one_machine(workers, exact_pack):  # noqa: F811
     """--offload-first (patch 0013): -ngl's count, but the first layers and the output go to the workers, so that a
     token leaving early skips the client's layers; answers, exits and logits stay the one machine's."""
-    proc = client("compare", exact_pack, workers, layers=f"first:{FIRST_LAYERS}")
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
-    result = json.loads(out.splitlines()[-1])
+    result, exits = compare_split(exact_pack, workers, f"first:{FIRST_LAYERS}")
     *layers, output = result["devices"]
     on_workers = FIRST_LAYERS - 1  # the output layer is one of -ngl's
     assert all(d.startswith("RPC") for d in layers[:on_workers]) and output.startswith("RPC"), result["devices"]
     assert all(d == "CPU" for d in layers[on_workers:]), result["devices"]
-    for mode in ("plain", "lossy", "exact"):
-        for local, remote in zip(result["local"][mode], result["rpc"][mode]):
-            assert remote["tokens"] == local["tokens"], mode
-            assert remote["exits"] == local["exits"], mode
-            assert remote["last_logits"] == local["last_logits"], mode
     # exits after the workers' layers (the client's layers then never run), and after the client's
-    exits = [il for mode in ("lossy", "exact") for answer in result["rpc"][mode] for il in answer["exits"] if il is not None]
     assert any(il < on_workers for il in exits) and any(il >= on_workers for il in exits), exits
 
 
