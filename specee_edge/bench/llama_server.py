@@ -138,6 +138,19 @@ class Completion:
     accepted: int = 0      # draft_n_accepted
 
 
+def completion(answer: dict) -> Completion:
+    """A /completion reply's tokens and timings. A reply without `timings` (its predicted_n and predicted_ms: a
+    llama-server of another version, --llama-server-bin) raises LlamaServerError: read as 0 steps in 0 s, it would
+    make every speed-up against it 0."""
+    timings = answer.get("timings")
+    if not isinstance(timings, dict) or "predicted_n" not in timings or "predicted_ms" not in timings:
+        raise LlamaServerError("llama-server's reply has no timings (predicted_n, predicted_ms): "
+                               "a llama-server of another version?")
+    return Completion(tokens=[int(t) for t in answer.get("tokens", [])],
+                      steps=max(int(timings["predicted_n"]) - 1, 0), seconds=float(timings["predicted_ms"]) / 1e3,
+                      drafted=int(timings.get("draft_n", 0)), accepted=int(timings.get("draft_n_accepted", 0)))
+
+
 class LlamaServer:
     """One llama-server process; a context manager that stops it (terminate, then kill) however the block ends."""
 
@@ -195,11 +208,7 @@ class LlamaServer:
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             raise LlamaServerError(f"llama-server did not answer ({e}); {self.last_log_line()} "
                                    f"(log: {self.log_path})") from None
-        timings = answer.get("timings", {})
-        return Completion(tokens=[int(t) for t in answer.get("tokens", [])],
-                          steps=max(int(timings.get("predicted_n", 0)) - 1, 0),
-                          seconds=float(timings.get("predicted_ms", 0.0)) / 1e3,
-                          drafted=int(timings.get("draft_n", 0)), accepted=int(timings.get("draft_n_accepted", 0)))
+        return completion(answer)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

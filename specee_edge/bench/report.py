@@ -44,6 +44,7 @@ class SampledResult:
     speedup_no_loop: float | None = None  # greedy lanes: the speed-up on the answers that do not loop
     speedup_by_category: dict[str, float] = field(default_factory=dict)
     exact: ExactChoices | None = None     # exact mode: what its controller chose
+    round_trips: RoundTrips | None = None  # with --rpc: what its sampled steps waited for from the workers
 
 
 @dataclass
@@ -66,7 +67,7 @@ class ToolLane:
 
 @dataclass
 class RoundTrips:
-    """What a lane's greedy decode steps waited for from the RPC workers (--rpc), per step: the replies, and the
+    """What a lane's decode steps waited for from the RPC workers (--rpc), per step: the replies, and the
     time waiting for them (the worker's compute of the graph sent before each reply included)."""
 
     per_step: float
@@ -80,6 +81,7 @@ class RpcResult:
     workers: list[str]
     bare_round_trip_ms: float         # median of a device-memory query: the least a stop after a remote layer adds
     vanilla: RoundTrips
+    vanilla_sampled: RoundTrips | None = None  # ... in the sampled pass (None with --greedy-only)
 
 
 @dataclass
@@ -176,12 +178,19 @@ class BenchResult:
     baseline_sampled: str | None = None         # ... in the sampled pass
     tools: dict[str, ToolLane] = field(default_factory=dict)  # llama-server's lanes and llama-cpp-python's Llama
     dropped: list[str] = field(default_factory=list)  # lanes that failed (to build, start or decode), a line each
+    notes: list[str] = field(default_factory=list)    # what those failures changed (the baseline moved), a line each
 
     @property
     def vanilla_speedup(self) -> float:
         """llama-cpp-python's Llama against the baseline (the oracle is priced in its steps)."""
         lane = self.tools.get(LLAMA_CPP_PYTHON)
         return lane.speedup if lane else 1.0
+
+    @property
+    def baseline_sampled_tok_s(self) -> float | None:
+        """The sampled baseline's tok/s (a sampled lane's is its speed-up times this)."""
+        base = self.tools.get(self.baseline_sampled or "")
+        return base.tok_s_sampled if base else None
 
     @property
     def main(self) -> ModeResult:
@@ -224,7 +233,8 @@ class BenchResult:
         return Group(*parts, *([self._round_trips()] if self.rpc else []))
 
     def _round_trips(self) -> Table:
-        """--rpc: per greedy step, the replies each lane waited for from the workers and the time spent waiting."""
+        """--rpc: per step, greedy and sampled, the replies each lane waited for from the workers and the time spent
+        waiting."""
         rpc = self.rpc
         table = Table(title=f"RPC round trips per step: {', '.join(rpc.workers)} (placement above);"
                             f" a bare round trip {rpc.bare_round_trip_ms:.3f} ms", box=box.SIMPLE_HEAD,
@@ -235,6 +245,13 @@ class BenchResult:
         rows = [("vanilla", 1.0, rpc.vanilla, vanilla_ms)]
         rows += [(self.level_label(m), m.speedup, m.round_trips, 1e3 / m.specee_tok_s if m.specee_tok_s else 0.0)
                  for m in self.modes if m.round_trips]
+        if rpc.vanilla_sampled and self.vanilla_sampled_tok_s:
+            sampled_ms = 1e3 / self.vanilla_sampled_tok_s
+            rows.append(("vanilla, sampled", 1.0, rpc.vanilla_sampled, sampled_ms))
+            base = self.baseline_sampled_tok_s
+            rows += [(f"{self.level_label(m)}, sampled", m.sampled.speedup, m.sampled.round_trips,
+                      1e3 / (m.sampled.speedup * base) if base and m.sampled.speedup else 0.0)
+                     for m in self.modes if m.sampled and m.sampled.round_trips]
         for label, speedup, trips, step_ms in rows:
             table.add_row(label, f"{speedup:.3f}x", f"{trips.per_step:.2f}", f"{trips.wait_ms_per_step:.3f}",
                           f"{trips.wait_ms_per_step / step_ms:.2f}" if step_ms else "-")
@@ -260,8 +277,7 @@ class BenchResult:
         if self.peer:
             table.add_row("peer (llama-cpp-python prompt lookup)", "-", f"{self.peer.speedup:.3f}x", "-",
                           f"{self.peer_sampled.speedup:.3f}x" if self.peer_sampled else "-", "-")
-        base = self.tools.get(self.baseline_sampled or "")
-        base_sampled = base.tok_s_sampled if base else None
+        base_sampled = self.baseline_sampled_tok_s
         for m in self.modes:
             tok_s_sampled = m.sampled.speedup * base_sampled if m.sampled and base_sampled else None
             table.add_row(f"specee-edge {self.level_label(m)}", f"{m.specee_tok_s:.1f}", f"{m.speedup:.3f}x",
@@ -294,6 +310,7 @@ class BenchResult:
                                     if self.repetition_sampled_by_category else "-"),
         ]
         rows += [("dropped", line) for line in self.dropped]
+        rows += [("note", line) for line in self.notes]
         if self.peer and self.peer.speedup_no_loop is not None:
             rows.append(("peer, no loops", f"{self.peer.speedup_no_loop:.3f}x greedy on the answers that do not loop"))
         for label, value in rows:

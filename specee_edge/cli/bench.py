@@ -122,7 +122,7 @@ def bench(
             tokens=tokens, kv_modes=modes, threads=threads or default_threads(), quality=quality, threshold=threshold,
             ppl_tokens=ppl_tokens, python_policy=python_policy, sampled=sampled, peer=peer, lookup_lane=lookup_lane, seed=seed,
             flash_attn=flash_attn.value,
-            llama_server=server, spec_types=spec_types, draft_model=draft_model, dropped=dropped, command=" ".join(["specee-edge", *sys.argv[1:]]),
+            llama_server=server, llama_server_asked=llama_server, spec_types=spec_types, draft_model=draft_model, dropped=dropped, command=" ".join(["specee-edge", *sys.argv[1:]]),
         )
         columns = (TextColumn("{task.description:>9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=err_console, transient=True, auto_refresh=False) as progress:
