@@ -4,8 +4,10 @@ fail: dropped with one line, never the whole run."""
 
 from __future__ import annotations
 
+import io
 import json
 import re
+import subprocess
 import tarfile
 
 import pytest
@@ -13,8 +15,9 @@ from llama_cpp import Llama
 from typer.testing import CliRunner
 
 from specee_edge import build_runtime
-from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, PLAIN, SPEC_TYPES, LlamaServer, LlamaServerError,
-                                            ServerLane, ServerSetup, completion, find_binary, parse_spec_types)
+from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, ENV_BINARY, PLAIN, SPEC_TYPES, LlamaServer,
+                                            LlamaServerError, ServerLane, ServerSetup, completion, find_binary,
+                                            has_terminal, parse_spec_types)
 from specee_edge.bench.report import LLAMA_CPP_PYTHON
 from specee_edge.bench.run import baseline_notes
 from specee_edge.bench.runner import PeerLane, VanillaLane, run_interleaved
@@ -89,6 +92,46 @@ def test_a_baseline_that_moved_to_llama_is_a_note():
     notes = baseline_notes(True, PLAIN, LLAMA_CPP_PYTHON)
     assert len(notes) == 1 and notes[0].startswith(f"sampled speed-ups are against {LLAMA_CPP_PYTHON}")
     assert [note.split()[0] for note in baseline_notes(True, LLAMA_CPP_PYTHON, None)] == ["greedy"]
+
+
+def test_without_a_terminal_bench_does_not_build_llama_server(monkeypatch):
+    """CI, `make bench` (stdin from /dev/null): no half-hour build; the lanes are skipped with one line that says
+    how to build it ahead or skip it, and the run goes on (here stopped right after, at run_bench)."""
+    import specee_edge.bench as bench
+    import specee_edge.bench.llama_server as llama_server
+
+    asked = []
+
+    def find_binary(explicit=None, build=True):
+        asked.append(build)
+        raise LlamaServerError("llama-server is not built")
+
+    def run_bench(config, reporter):
+        raise SpecEEError(f"run with dropped={config.dropped}")
+
+    monkeypatch.setattr(llama_server, "find_binary", find_binary)
+    monkeypatch.setattr(bench, "run_bench", run_bench)
+    result = CliRunner().invoke(app, ["bench"])  # CliRunner's stdin is no terminal
+    assert asked == [False]
+    assert "llama-server lanes dropped: llama-server is not built" in result.output
+    assert "run with dropped=['llama-server: llama-server is not built']" in result.output
+
+
+def test_an_unbuilt_llama_server_says_how_to_build_or_skip_it(monkeypatch):
+    calls = []
+
+    def run(args, **kwargs):
+        calls.append(args)
+        return subprocess.CompletedProcess(args, 1, stdout="", stderr="")
+
+    monkeypatch.delenv(ENV_BINARY, raising=False)
+    monkeypatch.setattr(subprocess, "run", run)
+    with pytest.raises(LlamaServerError) as error:
+        find_binary(build=False)
+    assert len(calls) == 1 and "--print-path" in calls[0]  # asked where it is, never built
+    assert "make llama-server" in str(error.value) and "--no-llama-server" in str(error.value)
+    monkeypatch.setattr("sys.stdin", io.StringIO())
+    assert not has_terminal()
 
 
 class FailingVanilla:

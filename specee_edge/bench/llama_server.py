@@ -50,9 +50,16 @@ class LlamaServerError(Exception):
     """A llama-server that could not be built, started or asked; its message is one line."""
 
 
+def has_terminal() -> bool:
+    """Whether someone watches: a build of llama-server takes half an hour, so the bench starts one only where
+    stdin and stderr are a terminal (not in CI, not under `make bench`, which reads stdin from /dev/null)."""
+    return sys.stdin is not None and sys.stdin.isatty() and sys.stderr.isatty()
+
+
 def find_binary(explicit: Path | None = None, build: bool = True) -> Path:
     """The llama-server to run: `explicit`, else $SPECEE_LLAMA_SERVER, else the cached build (built first when
-    `build`, its progress on this terminal). Raises LlamaServerError with one line on failure."""
+    `build`, its progress on this terminal). Raises LlamaServerError with one line on failure, saying how to build
+    it ahead or skip its lanes where it is not built."""
     named = explicit or (Path(os.environ[ENV_BINARY]) if os.environ.get(ENV_BINARY) else None)
     if named is not None:
         if not named.is_file() or not os.access(named, os.X_OK):
@@ -64,14 +71,15 @@ def find_binary(explicit: Path | None = None, build: bool = True) -> Path:
     found = subprocess.run([sys.executable, str(BUILDER), "--print-path"], capture_output=True, text=True)
     path = Path(found.stdout.strip().splitlines()[-1]) if found.stdout.strip() else None
     if found.returncode != 0 and build:
-        print(f"building llama-server from the runtime's llama.cpp: once, cached; {BUILD_MINUTES} on 2 cores",
-              file=sys.stderr, flush=True)
+        print(f"building llama-server from the runtime's llama.cpp: once, cached; {BUILD_MINUTES} on 2 cores "
+              "(--no-llama-server skips it and its lanes)", file=sys.stderr, flush=True)
         built = subprocess.run([sys.executable, str(BUILDER)], stdout=subprocess.PIPE, text=True)  # progress on stderr's tty
         path = Path(built.stdout.strip().splitlines()[-1]) if built.returncode == 0 and built.stdout.strip() else None
         if path is None:
             raise LlamaServerError(f"building llama-server failed (exit {built.returncode}): see the log named above")
     if path is None or not path.is_file():
-        raise LlamaServerError("llama-server is not built: run tools/build_llama_server.py")
+        raise LlamaServerError(f"llama-server is not built ({BUILD_MINUTES} on 2 cores, once: `make llama-server` or "
+                               "tools/build_llama_server.py); --no-llama-server skips its lanes")
     return path
 
 
