@@ -13,6 +13,7 @@ from llama_cpp import Llama
 from typer.testing import CliRunner
 
 from specee_edge.bench.quality import repetition
+from specee_edge.bench.report import LLAMA_CPP_PYTHON
 from specee_edge.bench.run import NO_PACK, bench_qualities, pick_prompts
 from specee_edge.bench.runner import VanillaLane
 from specee_edge.data.prompts import Prompt, bench_prompts
@@ -232,6 +233,13 @@ def test_vanilla_lane_is_stock_greedy(default_model):
         lane.step(token)
     assert lane.outputs == [stock]
     assert lane.timing.steps == len(stock) - 1
+
+
+def test_the_vanilla_lane_is_named_for_what_it_runs():
+    """It is Llama.eval a token at a time with our draw, not llama-cpp-python's create_completion: its name in the
+    tables and the JSON (`tools`, `baseline`) says Llama.eval, as docs/bench.md does."""
+    assert LLAMA_CPP_PYTHON.endswith("Llama.eval")
+    assert BENCH_DOC.read_text().count(f"`{LLAMA_CPP_PYTHON}`") >= 3  # the lane's section, `baseline`, `tools`
 
 
 def test_pick_prompts_takes_categories_in_turn():

@@ -14,7 +14,9 @@ from rich.table import Table
 
 from specee_edge.runtime.costs import TokenCosts
 
-LLAMA_CPP_PYTHON = "llama-cpp-python Llama"  # the lane of llama-cpp-python's Llama.eval (the "vanilla" lane)
+# the "vanilla" lane: llama-cpp-python's Llama.eval one token at a time with specee-edge's draw (runner.VanillaLane),
+# not llama-cpp-python's own decoding loop (create_completion, generate): named for what it runs
+LLAMA_CPP_PYTHON = "llama-cpp-python Llama.eval"
 TIME_PARTS = ("draft", "layers", "predictor", "verify", "batch", "other", "sample")  # batch: exact mode's verification
 HISTOGRAM_WIDTH = 48  # text cells shared by the histogram's bars (80-column terminals)
 
@@ -50,11 +52,11 @@ class SampledResult:
 @dataclass
 class ToolLane:
     """A lane of another tool: llama-server (plain, or with its speculation; under llama.cpp's names) or
-    llama-cpp-python's Llama. Speed-ups are against the run's baseline (llama-server plain where it ran)."""
+    llama-cpp-python's Llama.eval. Speed-ups are against the run's baseline (llama-server plain where it ran)."""
 
     tok_s: float                      # greedy decode tokens per second
     speedup: float
-    identical: float                  # whole greedy answers equal to llama-cpp-python Llama's
+    identical: float                  # whole greedy answers equal to the Llama.eval lane's
     drafted: int = 0                  # greedy: tokens its speculation drafted (llama-server's draft_n)
     accepted: int = 0                 # ... and the model accepted (draft_n_accepted)
     tok_s_sampled: float | None = None
@@ -176,13 +178,13 @@ class BenchResult:
     placement: str = ""                         # where every lane's layers ran (runtime.placement; all lanes alike)
     baseline: str = LLAMA_CPP_PYTHON            # the lane every speed-up is against: llama-server plain where it ran
     baseline_sampled: str | None = None         # ... in the sampled pass
-    tools: dict[str, ToolLane] = field(default_factory=dict)  # llama-server's lanes and llama-cpp-python's Llama
+    tools: dict[str, ToolLane] = field(default_factory=dict)  # llama-server's lanes and the Llama.eval lane
     dropped: list[str] = field(default_factory=list)  # lanes that failed (to build, start or decode), a line each
     notes: list[str] = field(default_factory=list)    # what those failures changed (the baseline moved), a line each
 
     @property
     def vanilla_speedup(self) -> float:
-        """llama-cpp-python's Llama against the baseline (the oracle is priced in its steps)."""
+        """The Llama.eval lane against the baseline (the oracle is priced in its steps)."""
         lane = self.tools.get(LLAMA_CPP_PYTHON)
         return lane.speedup if lane else 1.0
 
@@ -259,7 +261,7 @@ class BenchResult:
 
     def _against_llama_cpp(self) -> Table:
         """Every lane's decode speed, greedy and sampled, against the baseline (llama-server plain where it ran):
-        llama-server's own lanes with what their speculation drafted and had accepted, llama-cpp-python's Llama,
+        llama-server's own lanes with what their speculation drafted and had accepted, the Llama.eval lane,
         the peer and each SpecEE lane."""
         sampled = self.baseline_sampled is not None
         caption = f"speed-ups against {self.baseline}"

@@ -203,7 +203,7 @@ def run_dropping(prompts, vanilla: VanillaLane, lanes: Sequence[Lane], fed, adva
 
 def tool_lane(lane: Lane, vanilla: VanillaLane, base: Timing, categories: Sequence[str], sampled: Lane | None,
               vanilla_sampled: VanillaLane | None, base_sampled: Timing | None) -> ToolLane:
-    """Another tool's lane (llama-server, llama-cpp-python's Llama) against the baseline, greedy and sampled."""
+    """Another tool's lane (llama-server, llama-cpp-python's Llama.eval) against the baseline, greedy and sampled."""
     greedy = lane_speed(lane, vanilla, categories, base)
     result = ToolLane(tok_s=lane.timing.tok_s, speedup=greedy.speedup, identical=greedy.identical,
                       drafted=getattr(lane, "drafted", 0), accepted=getattr(lane, "accepted", 0),
@@ -261,7 +261,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
         peer.close()
         peer = None
     server_lanes = [lane for lane in server_lanes if id(lane) not in gone]
-    # every speed-up is against llama-server plain; against llama-cpp-python's Llama where that lane did not run
+    # every speed-up is against llama-server plain; against the Llama.eval lane where that one did not run
     plain = next((lane for lane in server_lanes if lane.name == PLAIN), None)
     base = plain.timing if plain else vanilla.timing
     where = model.placement_text()  # read now: the engines, and their models, are closed before the report
@@ -368,7 +368,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
 
 
 def baseline_notes(asked: bool, baseline: str, baseline_sampled: str | None) -> list[str]:
-    """A line for each pass whose speed-ups are against llama-cpp-python's Llama although llama-server's lanes
+    """A line for each pass whose speed-ups are against the Llama.eval lane although llama-server's lanes
     were asked for (plain did not build, start or answer: its line is under `dropped`)."""
     moved = [what for what, base in (("greedy", baseline), ("sampled", baseline_sampled)) if base == LLAMA_CPP_PYTHON]
     return [f"{what} speed-ups are against {LLAMA_CPP_PYTHON}: llama-server plain, the baseline, did not run "
