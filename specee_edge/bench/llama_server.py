@@ -5,7 +5,9 @@ A prompt is sent as token ids (/completion with a token array: no chat template 
 sampling and the prompt's seed; the prompt cache is off, so every request decodes its prompt afresh as the other
 lanes do. Decode speed is read from the response's `timings`: predicted_ms spans the first token (sampled from
 the prompt pass) to the last, so a prompt's decode steps are predicted_n - 1, as the other lanes count them. The
-server's time includes its sampling and its per-token bookkeeping, as the Python lanes' includes theirs.
+server's time includes its sampling and its per-token bookkeeping, as the Python lanes' includes theirs; at
+temperature 0 that is llama.cpp's whole default sampler chain, where the Python lanes take a numpy argmax
+(docs/bench.md says what each pays).
 
 The binary comes from tools/build_llama_server.py (the runtime's vendored llama.cpp, its flags; cached), or from
 --llama-server PATH / SPECEE_LLAMA_SERVER.
