@@ -65,22 +65,24 @@ serve: setup
 	$(VENV)/bin/specee-edge serve
 
 # The default model against vanilla llama.cpp, one SpecEE lane per quality level of its pack (docs/bench.md).
+# Every bench target reads stdin from /dev/null: the bench then never starts llama-server's half-hour build
+# (`make llama-server` does), it skips those lanes with one line where the server is not built.
 bench: setup
-	$(VENV)/bin/specee-edge bench --quality all --json bench.json --plot bench.png
+	$(VENV)/bin/specee-edge bench --quality all --json bench.json --plot bench.png < /dev/null
 
 # The same, every KV mode at the pack's default level.
 bench-kv: setup
-	$(VENV)/bin/specee-edge bench --kv-mode all --json bench_kv.json --plot bench_kv.png
+	$(VENV)/bin/specee-edge bench --kv-mode all --json bench_kv.json --plot bench_kv.png < /dev/null
 
 # The 1.5B track: pull the model (1.1 GB, once), then the bench with its shipped pack, every KV mode.
 bench-large: setup
 	$(VENV)/bin/specee-edge pull qwen2.5-coder-1.5b-instruct
-	$(VENV)/bin/specee-edge bench qwen2.5-coder-1.5b-instruct --kv-mode all --json bench_large.json --plot bench_large.png
+	$(VENV)/bin/specee-edge bench qwen2.5-coder-1.5b-instruct --kv-mode all --json bench_large.json --plot bench_large.png < /dev/null
 
 # The gemma3 track: pull gemma-3-270m (253 MB, once), then the bench of its shipped pack at every level.
 bench-gemma: setup
 	$(VENV)/bin/specee-edge pull gemma-3-270m
-	$(VENV)/bin/specee-edge bench gemma-3-270m --quality all --json bench_gemma.json --plot bench_gemma.png
+	$(VENV)/bin/specee-edge bench gemma-3-270m --quality all --json bench_gemma.json --plot bench_gemma.png < /dev/null
 
 bench-runtime: setup
 	$(PY) tools/bench_runtime.py --json bench_runtime.json

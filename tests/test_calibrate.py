@@ -60,7 +60,8 @@ def test_calibrate_tiny_model_end_to_end(tiny_run):
     assert 0.0 <= report.draft.recall_at_1 <= report.draft.recall_at_k <= 1.0
     assert pack.levels[-1].quality == EXACT_QUALITY and set(level.quality for level in pack.levels) <= {
         *config.levels, EXACT_QUALITY} | {stats.quality for stats in report.levels}
-    # exact mode is the default: it drafts where that was measured faster than plain decoding, else decodes plainly
+    # exact mode is the default: its exits are on where that was measured faster than plain decoding, else it drafts
+    # by prompt lookup alone
     exact = pack.level()
     assert pack.default_quality == EXACT_QUALITY and exact.exact
     chosen = report.exact.chosen

@@ -17,7 +17,7 @@ import pytest
 from specee_edge.bench.quality import NEAR_TIE, divergence_margins
 from specee_edge.engine import GREEDY, Engine, EngineConfig, SamplingParams
 from specee_edge.engine.controller import Choice, ExitPrior
-from specee_edge.engine.records import Round, TokenRecord, TokenSource
+from specee_edge.engine.records import GenerationStats, Round, TokenRecord, TokenSource
 from specee_edge.errors import SpecEEError
 from specee_edge.exits import ExitKind
 from specee_edge.pack import EXACT_QUALITY, OFF, LayerExit, PackLevelError, parse_quality, read_pack, write_pack
@@ -285,6 +285,27 @@ def test_a_stop_string_or_a_closed_stream_mid_round_leaves_the_cache_exact(engin
     follow = engine.generate(prompt + taken, max_tokens=8, sampling=GREEDY)
     assert follow.stats.n_cached == len(prompt) + len(taken) - 2  # a prefill decodes at least two tokens
     engine.reset()
+
+
+def round_records(round_: Round, sources: list[TokenSource]) -> list[TokenRecord]:
+    return [TokenRecord(id=i, source=source, round=round_) for i, source in enumerate(sources)]
+
+
+def test_acceptance_counts_the_drafts_a_cut_round_could_emit():
+    """A round of 4 drafts accepted whole, cut after 2 tokens (a stop string, an end of generation, max_tokens):
+    2 drafted, 2 accepted, not 2 of 4; a round corrected at its second row still counts all 4 of its drafts."""
+    whole = Round(Choice.LOOKUP, drafts=4, accepted=4, emitted=5)
+    cut = GenerationStats(30, True, exact=True)
+    for record in round_records(whole, [TokenSource.ACCEPTED] * 4 + [TokenSource.BONUS])[:2]:
+        cut.add(record)
+    assert (cut.rounds, cut.drafts, cut.accepted, cut.acceptance_rate) == (1, 2, 2, 1.0)
+    corrected = Round(Choice.EXIT, drafts=4, accepted=1, emitted=2)
+    stats = GenerationStats(30, True, exact=True)
+    for record in round_records(corrected, [TokenSource.ACCEPTED, TokenSource.CORRECTION]):
+        stats.add(record)
+    for record in round_records(whole, [TokenSource.ACCEPTED] * 4 + [TokenSource.BONUS]):
+        stats.add(record)
+    assert (stats.rounds, stats.drafts, stats.accepted) == (2, 8, 5)
 
 
 def test_a_round_at_the_end_of_the_context(default_model, exact_pack):

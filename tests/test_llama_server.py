@@ -4,8 +4,10 @@ fail: dropped with one line, never the whole run."""
 
 from __future__ import annotations
 
+import io
 import json
 import re
+import subprocess
 import tarfile
 
 import pytest
@@ -13,9 +15,11 @@ from llama_cpp import Llama
 from typer.testing import CliRunner
 
 from specee_edge import build_runtime
-from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, PLAIN, SPEC_TYPES, LlamaServer, LlamaServerError,
-                                            ServerLane, ServerSetup, find_binary, parse_spec_types)
+from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, ENV_BINARY, PLAIN, SPEC_TYPES, LlamaServer,
+                                            LlamaServerError, ServerLane, ServerSetup, completion, find_binary,
+                                            has_terminal, parse_spec_types)
 from specee_edge.bench.report import LLAMA_CPP_PYTHON
+from specee_edge.bench.run import baseline_notes
 from specee_edge.bench.runner import PeerLane, VanillaLane, run_interleaved
 from specee_edge.cli import app
 from specee_edge.default_model import default_model_path
@@ -45,6 +49,21 @@ def test_spec_types_flag():
         parse_spec_types("ngram-mod,ngram-nope")
 
 
+@pytest.mark.parametrize("reply", [{"tokens": [1, 2]}, {"tokens": [1, 2], "timings": {"predicted_n": 2}}])
+def test_a_reply_without_timings_fails_the_lane(reply):
+    """A llama-server of another version that answers without timings: an error for its lane (a dropped line),
+    never 0 steps in 0 s, which made every speed-up against it 0."""
+    with pytest.raises(LlamaServerError, match="no timings") as error:
+        completion(reply)
+    assert "\n" not in str(error.value)
+
+
+def test_a_reply_with_timings_counts_its_steps():
+    done = completion({"tokens": [5, 6, 7], "timings": {"predicted_n": 3, "predicted_ms": 30.0, "draft_n": 4,
+                                                        "draft_n_accepted": 1}})
+    assert (done.tokens, done.steps, done.seconds, done.drafted, done.accepted) == ([5, 6, 7], 2, 0.03, 4, 1)
+
+
 def test_a_lane_that_raises_is_dropped_and_the_others_finish(tiny_dir):
     """A peer's bug: llama-cpp-python sizes Llama's token and logit arrays by the n_ctx asked for, while llama.cpp
     pads its context to 256, so a prompt between the two passes llama_decode and breaks Llama.eval (`could not
@@ -63,6 +82,74 @@ def test_a_lane_that_raises_is_dropped_and_the_others_finish(tiny_dir):
     assert list(failed) == [0] and "\n" not in failed[0]
     assert failed[0].startswith("ValueError: could not broadcast"), failed[0]
     assert [len(answer) for answer in vanilla.outputs] == [tokens, tokens]  # the other lane answered both prompts
+
+
+def test_a_baseline_that_moved_to_llama_is_a_note():
+    """llama-server plain asked for but not run (it failed to build, start or answer): the speed-ups of that pass
+    are against llama-cpp-python's Llama, and a line says so; with --no-llama-server that is the baseline, no note."""
+    assert baseline_notes(True, PLAIN, PLAIN) == []
+    assert baseline_notes(False, LLAMA_CPP_PYTHON, LLAMA_CPP_PYTHON) == []
+    notes = baseline_notes(True, PLAIN, LLAMA_CPP_PYTHON)
+    assert len(notes) == 1 and notes[0].startswith(f"sampled speed-ups are against {LLAMA_CPP_PYTHON}")
+    assert [note.split()[0] for note in baseline_notes(True, LLAMA_CPP_PYTHON, None)] == ["greedy"]
+
+
+def test_without_a_terminal_bench_does_not_build_llama_server(monkeypatch):
+    """CI, `make bench` (stdin from /dev/null): no half-hour build; the lanes are skipped with one line that says
+    how to build it ahead or skip it, and the run goes on (here stopped right after, at run_bench)."""
+    import specee_edge.bench as bench
+    import specee_edge.bench.llama_server as llama_server
+
+    asked = []
+
+    def find_binary(explicit=None, build=True):
+        asked.append(build)
+        raise LlamaServerError("llama-server is not built")
+
+    def run_bench(config, reporter):
+        raise SpecEEError(f"run with dropped={config.dropped}")
+
+    monkeypatch.setattr(llama_server, "find_binary", find_binary)
+    monkeypatch.setattr(bench, "run_bench", run_bench)
+    result = CliRunner().invoke(app, ["bench"])  # CliRunner's stdin is no terminal
+    assert asked == [False]
+    assert "llama-server lanes dropped: llama-server is not built" in result.output
+    assert "run with dropped=['llama-server: llama-server is not built']" in result.output
+
+
+def test_an_unbuilt_llama_server_says_how_to_build_or_skip_it(monkeypatch):
+    calls = []
+
+    def run(args, **kwargs):
+        calls.append(args)
+        return subprocess.CompletedProcess(args, 1, stdout="", stderr="")
+
+    monkeypatch.delenv(ENV_BINARY, raising=False)
+    monkeypatch.setattr(subprocess, "run", run)
+    with pytest.raises(LlamaServerError) as error:
+        find_binary(build=False)
+    assert len(calls) == 1 and "--print-path" in calls[0]  # asked where it is, never built
+    assert "make llama-server" in str(error.value) and "--no-llama-server" in str(error.value)
+    monkeypatch.setattr("sys.stdin", io.StringIO())
+    assert not has_terminal()
+
+
+class FailingVanilla:
+    """A vanilla lane whose Llama breaks on the prompt (as llama-cpp-python's eval can)."""
+
+    max_tokens = TOKENS
+
+    def start(self, prompt):
+        raise ValueError("could not broadcast input array\nfrom shape (101,) into shape (64,)")
+
+
+def test_a_vanilla_lane_that_raises_ends_the_run_with_one_line():
+    """Vanilla is the reference every lane is compared with: its failure is not a dropped lane but the run's end,
+    in one line (it was a traceback)."""
+    with pytest.raises(SpecEEError) as error:
+        run_interleaved([[0, 1, 2]], FailingVanilla(), [], [])
+    assert str(error.value) == (f"the vanilla lane ({LLAMA_CPP_PYTHON}, every lane's reference) failed: "
+                                "ValueError: could not broadcast input array")
 
 
 def test_prompt_lookup_lane_takes_a_prompt_longer_than_its_batch(tiny_dir):

@@ -20,6 +20,7 @@ from specee_edge.errors import SpecEEError
 from specee_edge.exits import ExitKind
 from specee_edge.gguf_index import GGUFIndex
 from specee_edge.pack import (
+    EXACT_QUALITY,
     OFF,
     DraftHead,
     Pack,
@@ -39,7 +40,7 @@ from specee_edge.pack.safetensors import write_safetensors
 from specee_edge.pack.target import FINGERPRINT_DATA_BYTES
 from specee_edge.predictor import MLPPredictor
 from specee_edge.shipped import shipped_dir
-from tests.conftest import tiny_model_path
+from tests.conftest import SHIPPED_PACK, tiny_model_path
 from tests.tiny_gguf import write_corrupt_model
 
 RNG = np.random.default_rng(0)
@@ -423,6 +424,20 @@ def test_cli_convert_and_info(tiny, tmp_path):
     result = runner.invoke(app, ["info", str(path)])
     assert result.exit_code == 0, result.output
     assert "architecture" in result.output and "supported" in result.output
+
+
+def test_info_says_an_exact_level_without_exits_drafts_by_lookup():
+    """The shipped pack's exact level turns every exit off: the engine still drafts there, by prompt lookup, in the
+    rounds its controller finds pay (there is no per-kind switch from calibration); a lossy level off decodes
+    plainly."""
+    from specee_edge.cli.info import _exits_cell
+
+    pack = read_pack(SHIPPED_PACK)
+    exact, lossy_off = pack.level(EXACT_QUALITY), next(lv for lv in pack.levels if lv.off and not lv.exact)
+    assert exact.off
+    cell = _exits_cell(exact)
+    assert "prompt lookup alone" in cell and "controller" in cell and "plainly" not in cell
+    assert _exits_cell(lossy_off) == "none: decodes plainly"
 
 
 def test_cli_errors_are_one_line(tiny, tmp_path):

@@ -5,7 +5,9 @@ A prompt is sent as token ids (/completion with a token array: no chat template 
 sampling and the prompt's seed; the prompt cache is off, so every request decodes its prompt afresh as the other
 lanes do. Decode speed is read from the response's `timings`: predicted_ms spans the first token (sampled from
 the prompt pass) to the last, so a prompt's decode steps are predicted_n - 1, as the other lanes count them. The
-server's time includes its sampling and its per-token bookkeeping, as the Python lanes' includes theirs.
+server's time includes its sampling and its per-token bookkeeping, as the Python lanes' includes theirs; at
+temperature 0 that is llama.cpp's whole default sampler chain, where the Python lanes take a numpy argmax
+(docs/bench.md says what each pays).
 
 The binary comes from tools/build_llama_server.py (the runtime's vendored llama.cpp, its flags; cached), or from
 --llama-server PATH / SPECEE_LLAMA_SERVER.
@@ -50,9 +52,16 @@ class LlamaServerError(Exception):
     """A llama-server that could not be built, started or asked; its message is one line."""
 
 
+def has_terminal() -> bool:
+    """Whether someone watches: a build of llama-server takes half an hour, so the bench starts one only where
+    stdin and stderr are a terminal (not in CI, not under `make bench`, which reads stdin from /dev/null)."""
+    return sys.stdin is not None and sys.stdin.isatty() and sys.stderr.isatty()
+
+
 def find_binary(explicit: Path | None = None, build: bool = True) -> Path:
     """The llama-server to run: `explicit`, else $SPECEE_LLAMA_SERVER, else the cached build (built first when
-    `build`, its progress on this terminal). Raises LlamaServerError with one line on failure."""
+    `build`, its progress on this terminal). Raises LlamaServerError with one line on failure, saying how to build
+    it ahead or skip its lanes where it is not built."""
     named = explicit or (Path(os.environ[ENV_BINARY]) if os.environ.get(ENV_BINARY) else None)
     if named is not None:
         if not named.is_file() or not os.access(named, os.X_OK):
@@ -64,14 +73,15 @@ def find_binary(explicit: Path | None = None, build: bool = True) -> Path:
     found = subprocess.run([sys.executable, str(BUILDER), "--print-path"], capture_output=True, text=True)
     path = Path(found.stdout.strip().splitlines()[-1]) if found.stdout.strip() else None
     if found.returncode != 0 and build:
-        print(f"building llama-server from the runtime's llama.cpp: once, cached; {BUILD_MINUTES} on 2 cores",
-              file=sys.stderr, flush=True)
+        print(f"building llama-server from the runtime's llama.cpp: once, cached; {BUILD_MINUTES} on 2 cores "
+              "(--no-llama-server skips it and its lanes)", file=sys.stderr, flush=True)
         built = subprocess.run([sys.executable, str(BUILDER)], stdout=subprocess.PIPE, text=True)  # progress on stderr's tty
         path = Path(built.stdout.strip().splitlines()[-1]) if built.returncode == 0 and built.stdout.strip() else None
         if path is None:
             raise LlamaServerError(f"building llama-server failed (exit {built.returncode}): see the log named above")
     if path is None or not path.is_file():
-        raise LlamaServerError("llama-server is not built: run tools/build_llama_server.py")
+        raise LlamaServerError(f"llama-server is not built ({BUILD_MINUTES} on 2 cores, once: `make llama-server` or "
+                               "tools/build_llama_server.py); --no-llama-server skips its lanes")
     return path
 
 
@@ -138,6 +148,19 @@ class Completion:
     accepted: int = 0      # draft_n_accepted
 
 
+def completion(answer: dict) -> Completion:
+    """A /completion reply's tokens and timings. A reply without `timings` (its predicted_n and predicted_ms: a
+    llama-server of another version, --llama-server-bin) raises LlamaServerError: read as 0 steps in 0 s, it would
+    make every speed-up against it 0."""
+    timings = answer.get("timings")
+    if not isinstance(timings, dict) or "predicted_n" not in timings or "predicted_ms" not in timings:
+        raise LlamaServerError("llama-server's reply has no timings (predicted_n, predicted_ms): "
+                               "a llama-server of another version?")
+    return Completion(tokens=[int(t) for t in answer.get("tokens", [])],
+                      steps=max(int(timings["predicted_n"]) - 1, 0), seconds=float(timings["predicted_ms"]) / 1e3,
+                      drafted=int(timings.get("draft_n", 0)), accepted=int(timings.get("draft_n_accepted", 0)))
+
+
 class LlamaServer:
     """One llama-server process; a context manager that stops it (terminate, then kill) however the block ends."""
 
@@ -195,11 +218,7 @@ class LlamaServer:
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             raise LlamaServerError(f"llama-server did not answer ({e}); {self.last_log_line()} "
                                    f"(log: {self.log_path})") from None
-        timings = answer.get("timings", {})
-        return Completion(tokens=[int(t) for t in answer.get("tokens", [])],
-                          steps=max(int(timings.get("predicted_n", 0)) - 1, 0),
-                          seconds=float(timings.get("predicted_ms", 0.0)) / 1e3,
-                          drafted=int(timings.get("draft_n", 0)), accepted=int(timings.get("draft_n_accepted", 0)))
+        return completion(answer)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

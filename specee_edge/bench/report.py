@@ -14,7 +14,9 @@ from rich.table import Table
 
 from specee_edge.runtime.costs import TokenCosts
 
-LLAMA_CPP_PYTHON = "llama-cpp-python Llama"  # the lane of llama-cpp-python's Llama.eval (the "vanilla" lane)
+# the "vanilla" lane: llama-cpp-python's Llama.eval one token at a time with specee-edge's draw (runner.VanillaLane),
+# not llama-cpp-python's own decoding loop (create_completion, generate): named for what it runs
+LLAMA_CPP_PYTHON = "llama-cpp-python Llama.eval"
 TIME_PARTS = ("draft", "layers", "predictor", "verify", "batch", "other", "sample")  # batch: exact mode's verification
 HISTOGRAM_WIDTH = 48  # text cells shared by the histogram's bars (80-column terminals)
 
@@ -44,16 +46,17 @@ class SampledResult:
     speedup_no_loop: float | None = None  # greedy lanes: the speed-up on the answers that do not loop
     speedup_by_category: dict[str, float] = field(default_factory=dict)
     exact: ExactChoices | None = None     # exact mode: what its controller chose
+    round_trips: RoundTrips | None = None  # with --rpc: what its sampled steps waited for from the workers
 
 
 @dataclass
 class ToolLane:
     """A lane of another tool: llama-server (plain, or with its speculation; under llama.cpp's names) or
-    llama-cpp-python's Llama. Speed-ups are against the run's baseline (llama-server plain where it ran)."""
+    llama-cpp-python's Llama.eval. Speed-ups are against the run's baseline (llama-server plain where it ran)."""
 
     tok_s: float                      # greedy decode tokens per second
     speedup: float
-    identical: float                  # whole greedy answers equal to llama-cpp-python Llama's
+    identical: float                  # whole greedy answers equal to the Llama.eval lane's
     drafted: int = 0                  # greedy: tokens its speculation drafted (llama-server's draft_n)
     accepted: int = 0                 # ... and the model accepted (draft_n_accepted)
     tok_s_sampled: float | None = None
@@ -66,7 +69,7 @@ class ToolLane:
 
 @dataclass
 class RoundTrips:
-    """What a lane's greedy decode steps waited for from the RPC workers (--rpc), per step: the replies, and the
+    """What a lane's decode steps waited for from the RPC workers (--rpc), per step: the replies, and the
     time waiting for them (the worker's compute of the graph sent before each reply included)."""
 
     per_step: float
@@ -80,6 +83,7 @@ class RpcResult:
     workers: list[str]
     bare_round_trip_ms: float         # median of a device-memory query: the least a stop after a remote layer adds
     vanilla: RoundTrips
+    vanilla_sampled: RoundTrips | None = None  # ... in the sampled pass (None with --greedy-only)
 
 
 @dataclass
@@ -174,14 +178,21 @@ class BenchResult:
     placement: str = ""                         # where every lane's layers ran (runtime.placement; all lanes alike)
     baseline: str = LLAMA_CPP_PYTHON            # the lane every speed-up is against: llama-server plain where it ran
     baseline_sampled: str | None = None         # ... in the sampled pass
-    tools: dict[str, ToolLane] = field(default_factory=dict)  # llama-server's lanes and llama-cpp-python's Llama
+    tools: dict[str, ToolLane] = field(default_factory=dict)  # llama-server's lanes and the Llama.eval lane
     dropped: list[str] = field(default_factory=list)  # lanes that failed (to build, start or decode), a line each
+    notes: list[str] = field(default_factory=list)    # what those failures changed (the baseline moved), a line each
 
     @property
     def vanilla_speedup(self) -> float:
-        """llama-cpp-python's Llama against the baseline (the oracle is priced in its steps)."""
+        """The Llama.eval lane against the baseline (the oracle is priced in its steps)."""
         lane = self.tools.get(LLAMA_CPP_PYTHON)
         return lane.speedup if lane else 1.0
+
+    @property
+    def baseline_sampled_tok_s(self) -> float | None:
+        """The sampled baseline's tok/s (a sampled lane's is its speed-up times this)."""
+        base = self.tools.get(self.baseline_sampled or "")
+        return base.tok_s_sampled if base else None
 
     @property
     def main(self) -> ModeResult:
@@ -224,7 +235,8 @@ class BenchResult:
         return Group(*parts, *([self._round_trips()] if self.rpc else []))
 
     def _round_trips(self) -> Table:
-        """--rpc: per greedy step, the replies each lane waited for from the workers and the time spent waiting."""
+        """--rpc: per step, greedy and sampled, the replies each lane waited for from the workers and the time spent
+        waiting."""
         rpc = self.rpc
         table = Table(title=f"RPC round trips per step: {', '.join(rpc.workers)} (placement above);"
                             f" a bare round trip {rpc.bare_round_trip_ms:.3f} ms", box=box.SIMPLE_HEAD,
@@ -235,6 +247,13 @@ class BenchResult:
         rows = [("vanilla", 1.0, rpc.vanilla, vanilla_ms)]
         rows += [(self.level_label(m), m.speedup, m.round_trips, 1e3 / m.specee_tok_s if m.specee_tok_s else 0.0)
                  for m in self.modes if m.round_trips]
+        if rpc.vanilla_sampled and self.vanilla_sampled_tok_s:
+            sampled_ms = 1e3 / self.vanilla_sampled_tok_s
+            rows.append(("vanilla, sampled", 1.0, rpc.vanilla_sampled, sampled_ms))
+            base = self.baseline_sampled_tok_s
+            rows += [(f"{self.level_label(m)}, sampled", m.sampled.speedup, m.sampled.round_trips,
+                      1e3 / (m.sampled.speedup * base) if base and m.sampled.speedup else 0.0)
+                     for m in self.modes if m.sampled and m.sampled.round_trips]
         for label, speedup, trips, step_ms in rows:
             table.add_row(label, f"{speedup:.3f}x", f"{trips.per_step:.2f}", f"{trips.wait_ms_per_step:.3f}",
                           f"{trips.wait_ms_per_step / step_ms:.2f}" if step_ms else "-")
@@ -242,7 +261,7 @@ class BenchResult:
 
     def _against_llama_cpp(self) -> Table:
         """Every lane's decode speed, greedy and sampled, against the baseline (llama-server plain where it ran):
-        llama-server's own lanes with what their speculation drafted and had accepted, llama-cpp-python's Llama,
+        llama-server's own lanes with what their speculation drafted and had accepted, the Llama.eval lane,
         the peer and each SpecEE lane."""
         sampled = self.baseline_sampled is not None
         caption = f"speed-ups against {self.baseline}"
@@ -260,8 +279,7 @@ class BenchResult:
         if self.peer:
             table.add_row("peer (llama-cpp-python prompt lookup)", "-", f"{self.peer.speedup:.3f}x", "-",
                           f"{self.peer_sampled.speedup:.3f}x" if self.peer_sampled else "-", "-")
-        base = self.tools.get(self.baseline_sampled or "")
-        base_sampled = base.tok_s_sampled if base else None
+        base_sampled = self.baseline_sampled_tok_s
         for m in self.modes:
             tok_s_sampled = m.sampled.speedup * base_sampled if m.sampled and base_sampled else None
             table.add_row(f"specee-edge {self.level_label(m)}", f"{m.specee_tok_s:.1f}", f"{m.speedup:.3f}x",
@@ -294,6 +312,7 @@ class BenchResult:
                                     if self.repetition_sampled_by_category else "-"),
         ]
         rows += [("dropped", line) for line in self.dropped]
+        rows += [("note", line) for line in self.notes]
         if self.peer and self.peer.speedup_no_loop is not None:
             rows.append(("peer, no loops", f"{self.peer.speedup_no_loop:.3f}x greedy on the answers that do not loop"))
         for label, value in rows:

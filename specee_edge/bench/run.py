@@ -68,6 +68,7 @@ class BenchConfig:
     flash_attn: str = "auto"         # --flash-attn, in every lane: llama.cpp's on, off or auto
     seed: int = 0                    # the sampled pass's seed (prompt i draws from seed + i in every lane)
     llama_server: Path | None = None  # the llama-server program: its lanes, plain the baseline (None: no such lanes)
+    llama_server_asked: bool = False  # its lanes were asked for, even if the program could not be found or built
     spec_types: list[str] = field(default_factory=lambda: list(DEFAULT_SPEC_TYPES))  # a llama-server lane each
     draft_model: Path | None = None  # a same-vocabulary model: a llama-server lane with -md DRAFT
     dropped: list[str] = field(default_factory=list)  # lanes dropped before the run, a line each (a failed build)
@@ -191,9 +192,10 @@ def measure_costs(config: BenchConfig, prompts: Sequence[Sequence[int]], llm: Ll
             lane.ctx.close()
 
 
-def run_dropping(prompts, vanilla: VanillaLane, lanes: Sequence[Lane], fed, advance, dropped: list[str], what: str,
-                 workers=()) -> set[int]:
-    """run_interleaved; the lanes that failed become lines in `dropped`; returns their ids (id(lane))."""
+def run_dropping(prompts, vanilla: VanillaLane, lanes: Sequence[Lane], fed, advance, dropped: list[str], what: str, *,
+                 workers: tuple[rpc.Endpoint, ...]) -> set[int]:
+    """run_interleaved; the lanes that failed become lines in `dropped`; returns their ids (id(lane)). workers: the
+    model's RPC workers, whose replies each lane's steps count (every pass names them: none is left uncounted)."""
     failed = run_interleaved(prompts, vanilla, lanes, fed, advance, workers=workers)
     dropped.extend(f"{lane_label(lanes[i])}, {what}: {message}" for i, message in failed.items())
     return {id(lanes[i]) for i in failed}
@@ -201,7 +203,7 @@ def run_dropping(prompts, vanilla: VanillaLane, lanes: Sequence[Lane], fed, adva
 
 def tool_lane(lane: Lane, vanilla: VanillaLane, base: Timing, categories: Sequence[str], sampled: Lane | None,
               vanilla_sampled: VanillaLane | None, base_sampled: Timing | None) -> ToolLane:
-    """Another tool's lane (llama-server, llama-cpp-python's Llama) against the baseline, greedy and sampled."""
+    """Another tool's lane (llama-server, llama-cpp-python's Llama.eval) against the baseline, greedy and sampled."""
     greedy = lane_speed(lane, vanilla, categories, base)
     result = ToolLane(tok_s=lane.timing.tok_s, speedup=greedy.speedup, identical=greedy.identical,
                       drafted=getattr(lane, "drafted", 0), accepted=getattr(lane, "accepted", 0),
@@ -259,10 +261,9 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
         peer.close()
         peer = None
     server_lanes = [lane for lane in server_lanes if id(lane) not in gone]
-    # every speed-up is against llama-server plain; against llama-cpp-python's Llama where that lane did not run
+    # every speed-up is against llama-server plain; against the Llama.eval lane where that one did not run
     plain = next((lane for lane in server_lanes if lane.name == PLAIN), None)
     base = plain.timing if plain else vanilla.timing
-    rpc_result = rpc_report(model.workers, vanilla) if model.workers else None
     where = model.placement_text()  # read now: the engines, and their models, are closed before the report
     if model.placement.tensor_overrides:  # llama-cpp-python 0.3.36's Llama has no way to pass them
         where += " (not in the llama-cpp-python lanes: Llama cannot take -ot)"
@@ -285,17 +286,19 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
         server_sampled = [ServerLane(lane.name, lane.server, config.tokens, sampling) for lane in server_lanes]
         gone = run_dropping(prompts, vanilla_sampled, [*sampled_lanes, *([peer_sampled] if peer_sampled else []),
                                                        *server_sampled], [],
-                            reporter.task("decoding, sampled", len(prompts) * (config.tokens - 1)), dropped, "sampled")
+                            reporter.task("decoding, sampled", len(prompts) * (config.tokens - 1)), dropped, "sampled",
+                            workers=model.workers)
         plain_sampled = server_sampled[server_lanes.index(plain)] if plain else None
         if plain_sampled is None or id(plain_sampled) in gone:
             plain_sampled = None
         base_sampled = plain_sampled.timing if plain_sampled else vanilla_sampled.timing
-        sampled = {i: sampled_result(lane, vanilla_sampled, categories, base_sampled)
+        sampled = {i: sampled_result(lane, vanilla_sampled, categories, base_sampled, bool(model.workers))
                    for i, lane in enumerate(sampled_lanes) if id(lane) not in gone}
         servers_sampled = {lane.name: lane for lane in server_sampled if id(lane) not in gone}
         if peer_sampled is not None and id(peer_sampled) in gone:
             peer_sampled.close()
             peer_sampled = None
+    rpc_result = rpc_report(model.workers, vanilla, vanilla_sampled) if model.workers else None
     server_stack.close()
     llm.close()
     for lane in (peer, peer_sampled):
@@ -304,6 +307,9 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
     tools = {lane.name: tool_lane(lane, vanilla, base, categories, servers_sampled.get(lane.name), vanilla_sampled,
                                   base_sampled) for lane in server_lanes}
     tools[LLAMA_CPP_PYTHON] = tool_lane(vanilla, vanilla, base, categories, vanilla_sampled, vanilla_sampled, base_sampled)
+
+    baseline = PLAIN if plain else LLAMA_CPP_PYTHON
+    baseline_sampled = (PLAIN if plain_sampled else LLAMA_CPP_PYTHON) if vanilla_sampled else None
 
     # 2. the oracles along vanilla's outputs (they price exits, which a pack holds)
     oracle = None
@@ -352,8 +358,8 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
         peer=lane_speed(peer, vanilla, categories, base, no_loop) if peer else None,
         peer_sampled=lane_speed(peer_sampled, vanilla_sampled, categories, base_sampled)
         if peer_sampled and vanilla_sampled and base_sampled else None,
-        baseline=PLAIN if plain else LLAMA_CPP_PYTHON, tools=tools, dropped=dropped,
-        baseline_sampled=(PLAIN if plain_sampled else LLAMA_CPP_PYTHON) if vanilla_sampled else None,
+        baseline=baseline, tools=tools, dropped=dropped, baseline_sampled=baseline_sampled,
+        notes=baseline_notes(config.llama_server_asked or config.llama_server is not None, baseline, baseline_sampled),
         repetition_by_category=by_category(repeated, categories),
         looping_answers=len(repeated) - len(no_loop),
         repetition_sampled_by_category=by_category(repeated_sampled, categories) if vanilla_sampled else {},
@@ -361,6 +367,14 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
         lookup_replay=lookup_replay, lookup_replay_sampled=lookup_replay_sampled,
         seconds=time.perf_counter() - start, command=config.command, rpc=rpc_result, placement=where,
     )
+
+
+def baseline_notes(asked: bool, baseline: str, baseline_sampled: str | None) -> list[str]:
+    """A line for each pass whose speed-ups are against the Llama.eval lane although llama-server's lanes
+    were asked for (plain did not build, start or answer: its line is under `dropped`)."""
+    moved = [what for what, base in (("greedy", baseline), ("sampled", baseline_sampled)) if base == LLAMA_CPP_PYTHON]
+    return [f"{what} speed-ups are against {LLAMA_CPP_PYTHON}: llama-server plain, the baseline, did not run "
+            "(see dropped)" for what in moved] if asked else []
 
 
 def by_category(values: Sequence[float], categories: Sequence[str]) -> dict[str, float]:
@@ -430,12 +444,15 @@ def speedup_on(lane: Lane, base: Timing, prompts: Sequence[int]) -> float | None
     return lane.timing.tok_s_on(prompts) / base_tok_s if prompts and base_tok_s else None
 
 
-def sampled_result(lane: SpecEELane, vanilla: VanillaLane, categories: Sequence[str], base: Timing) -> SampledResult:
+def sampled_result(lane: SpecEELane, vanilla: VanillaLane, categories: Sequence[str], base: Timing,
+                   on_workers: bool) -> SampledResult:
+    """on_workers: layers live on RPC workers (the lane's round trips are reported)."""
     stats = decode_stats(lane.records, lane.engine.n_layer)
     result = lane_speed(lane, vanilla, categories, base)
     result.acceptance_rate = stats.acceptance_rate
     result.tokens_per_round = stats.tokens_per_round
     result.exact = exact_choices(lane, vanilla, categories)
+    result.round_trips = round_trips(lane.timing) if on_workers else None
     return result
 
 
@@ -497,9 +514,10 @@ def round_trips(timing: Timing) -> RoundTrips:
     return RoundTrips(timing.replies.count / steps, timing.replies.wait_ms / steps)
 
 
-def rpc_report(workers: tuple[rpc.Endpoint, ...], vanilla: VanillaLane) -> RpcResult:
+def rpc_report(workers: tuple[rpc.Endpoint, ...], vanilla: VanillaLane, vanilla_sampled: VanillaLane | None) -> RpcResult:
     bare = float(np.mean([rpc.round_trip_ms(worker) for worker in workers]))
-    return RpcResult([str(w) for w in workers], bare, round_trips(vanilla.timing))
+    return RpcResult([str(w) for w in workers], bare, round_trips(vanilla.timing),
+                     round_trips(vanilla_sampled.timing) if vanilla_sampled else None)
 
 
 def llama_kwargs(config: BenchConfig) -> dict:

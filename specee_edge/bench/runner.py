@@ -21,9 +21,11 @@ import numpy as np
 from llama_cpp import Llama
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+from specee_edge.bench.report import LLAMA_CPP_PYTHON
 from specee_edge.engine import GREEDY, Engine, TokenRecord
 from specee_edge.engine.sampling import Sampler, SamplingParams
 from specee_edge.engine.stops import StopMatcher
+from specee_edge.errors import SpecEEError
 from specee_edge.runtime import rpc
 from specee_edge.runtime.costs import Timing
 from specee_edge.runtime.rpc import Endpoint
@@ -203,7 +205,8 @@ def run_interleaved(prompts: Sequence[Sequence[int]], vanilla: VanillaLane, spec
     (the cost lanes) step in a new random order at each token, as calibration's do (runtime/costs.py).
     workers: the RPC workers the lanes' layers live on; each lane's timing counts the replies its steps waited for.
     A lane of `specee` that raises (a peer's bug, a server that died) is dropped and the others go on: returns
-    those lanes, by index, each with its error in one line."""
+    those lanes, by index, each with its error in one line. Vanilla is every lane's reference (the tokens the fed
+    lanes decode, the answers quality compares with): where it raises, the run ends with one line (SpecEEError)."""
     order = np.random.default_rng(0)
     failed: dict[int, str] = {}
 
@@ -229,9 +232,16 @@ def run_interleaved(prompts: Sequence[Sequence[int]], vanilla: VanillaLane, spec
     def live() -> list[int]:
         return [i for i in range(len(specee)) if i not in failed]
 
+    def reference(call: Callable[[], None]) -> None:
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - without its answers no lane can be compared: one line, not a trace
+            raise SpecEEError(f"the vanilla lane ({LLAMA_CPP_PYTHON}, every lane's reference) failed: "
+                              f"{one_line(e)}") from None
+
     steps = vanilla.max_tokens - 1
     for prompt in prompts:
-        vanilla.start(prompt)
+        reference(lambda: vanilla.start(prompt))
         for i in live():
             guarded(i, lambda: specee[i].start(prompt))
         for lane in fed:
@@ -240,7 +250,7 @@ def run_interleaved(prompts: Sequence[Sequence[int]], vanilla: VanillaLane, spec
             token = vanilla.next_input()
             busy = token is not None
             if busy:
-                counted(vanilla, token)
+                reference(lambda: counted(vanilla, token))
                 for j in order.permutation(len(fed)):
                     counted(fed[j], token)
             for i in live():

@@ -81,7 +81,7 @@ def bench(
     lookup_lane: Annotated[bool, typer.Option("--lookup-lane/--no-lookup-lane", help="a lane of exact mode without the pack: prompt-lookup drafts only, what any GGUF gets")] = True,
     llama_server: Annotated[bool, typer.Option("--llama-server/--no-llama-server", help=(
         "lanes of llama.cpp's own llama-server (plain: the baseline of every speed-up; and its speculation), built "
-        "from the runtime's vendored llama.cpp on first use (cached)"))] = True,
+        "from the runtime's vendored llama.cpp on first use (cached; 30-40 minutes, only where run from a terminal)"))] = True,
     llama_server_path: Annotated[Path | None, typer.Option("--llama-server-bin", help="run this llama-server program "
                                                            "instead of the cached build (or set SPECEE_LLAMA_SERVER)")] = None,
     spec_type: Annotated[str | None, typer.Option("--spec-type", show_default=False, help=(
@@ -96,7 +96,7 @@ def bench(
     """Decode the same prompts with vanilla llama.cpp and SpecEE, interleaved: speed, oracle bound, quality."""
     from specee_edge.bench import BenchConfig, plot_bench, run_bench
     from specee_edge.bench.run import NO_PACK
-    from specee_edge.bench.llama_server import LlamaServerError, find_binary, parse_spec_types
+    from specee_edge.bench.llama_server import LlamaServerError, find_binary, has_terminal, parse_spec_types
     from specee_edge.engine import AUTO, DEFAULT_KV_MODE
     from specee_edge.threads import default_threads
     from specee_edge.pull import resolve_model
@@ -114,7 +114,8 @@ def bench(
         server, dropped = None, []
         if llama_server:
             try:
-                server = find_binary(llama_server_path)  # before the progress bars: a build shows its own
+                # before the progress bars: a build shows its own; without a terminal, none starts
+                server = find_binary(llama_server_path, build=has_terminal())
             except LlamaServerError as e:
                 dropped.append(f"llama-server: {e}")
                 err_console.print(f"[yellow]llama-server lanes dropped:[/] {e}", highlight=False)
@@ -123,7 +124,7 @@ def bench(
             tokens=tokens, kv_modes=modes, threads=threads or default_threads(), quality=quality, threshold=threshold,
             ppl_tokens=ppl_tokens, python_policy=python_policy, sampled=sampled, peer=peer, lookup_lane=lookup_lane, seed=seed,
             flash_attn=flash_attn.value,
-            llama_server=server, spec_types=spec_types, draft_model=draft_model, dropped=dropped, command=" ".join(["specee-edge", *sys.argv[1:]]),
+            llama_server=server, llama_server_asked=llama_server, spec_types=spec_types, draft_model=draft_model, dropped=dropped, command=" ".join(["specee-edge", *sys.argv[1:]]),
         )
         columns = (TextColumn("{task.description:>9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=err_console, transient=True, auto_refresh=False) as progress:

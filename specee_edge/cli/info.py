@@ -130,9 +130,10 @@ def _levels_table(pack: Pack) -> Table:
         speed = f"{level.speedup:.3f}x"
         if level.exact:  # the full model's own answers: agreement 1 by construction, speed measured end to end
             interval, identical = "1 (exact)", "all"
-            drafting = lambda greedy: "drafts" if level.drafts(greedy) else "plain"
-            speed += (f" greedy, {drafting(True)} at calibration" +
-                      (f"\n{level.speedup_sampled:.3f}x sampled, {drafting(False)}" if level.speedup_sampled else ""))
+            # a record of calibration's measurement: the engine's controller decides each round on the machine it runs on
+            paid = lambda greedy: "faster" if level.drafts(greedy) else "not faster"
+            speed += (f" greedy, {paid(True)} at calibration" +
+                      (f"\n{level.speedup_sampled:.3f}x sampled, {paid(False)}" if level.speedup_sampled else ""))
         table.add_row(f"{quality_name(level.quality)}{' *' if level.quality == default else ''}", _exits_cell(level),
                       interval, f"{level.exit_rate:.3f}", f"{level.head_free_rate:.3f}", speed, identical)
     promise = ("a lossy level q: at each step of a reply, the token it emits is the one the full model would pick on"
@@ -147,11 +148,14 @@ def _levels_table(pack: Pack) -> Table:
 
 
 def _exits_cell(level: QualityLevel) -> str:
-    drafting = level.drafts(greedy=True) or level.drafts(greedy=False)
-    if level.off and not drafting:
-        return "none: decodes plainly" + (" (drafting did not pay here)" if level.exact else "")
-    parts = [f"drafts up to {level.max_draft:g} a round (stop below confidence {level.draft_stop:g}; accepted "
-             f"{level.acceptance:.2f}, {level.tokens_per_round:.2f} tokens a batch) with"] if level.exact else []
+    """What the engine does at this level: a lossy level's exits, or exact mode's drafts. Exact mode drafts by prompt
+    lookup, and by exits where the level turns layers on, in the rounds its controller prices below a plain step on
+    the running machine, whatever calibration measured (greedy or sampled alike)."""
+    if level.off and not level.exact:
+        return "none: decodes plainly"
+    parts = [f"drafts up to {level.max_draft:g} a round where the controller finds it pays (stop below confidence "
+             f"{level.draft_stop:g}; accepted {level.acceptance:.2f}, {level.tokens_per_round:.2f} tokens a batch) "
+             "with"] if level.exact else []
     if level.off:
         parts.append("prompt lookup alone, every exit off")
     for kind in (ExitKind.VERIFIED, ExitKind.HEAD_FREE):

@@ -83,7 +83,8 @@ class GenerationStats:
     lookup_hits: int = 0          # ... that was the emitted token
     rounds: int = 0               # exact mode: verification batches
     lookup_rounds: int = 0        # ... whose drafts came from prompt lookup
-    drafts: int = 0               # ... drafted tokens they checked
+    drafts: int = 0               # ... drafted tokens they checked, up to where the reply ended (a stop string, an
+    #                               end of generation or max_tokens cutting a round leaves out the drafts past it)
     accepted: int = 0             # ... drafts the full model accepted
     round_tokens: int = 0         # ... tokens they emitted (accepted, corrections and bonuses)
     tokens_by_choice: dict[str, int] = field(default_factory=lambda: dict.fromkeys([c.value for c in Choice], 0))
@@ -96,6 +97,7 @@ class GenerationStats:
     exit_layers: list[int | None] = field(default_factory=list)
     time_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("draft", "forward", "predictor", "verify", "batch", "sample"), 0.0))
     _last_round: Round | None = field(default=None, repr=False, compare=False)
+    _round_seen: int = field(default=0, repr=False, compare=False)  # the last round's records added so far
 
     def add(self, record: TokenRecord) -> None:
         self.n_decode += 1
@@ -117,17 +119,28 @@ class GenerationStats:
             self.tokens_by_choice[record.round.choice.value] += 1
             if record.round is not self._last_round:  # the round's first token: the round itself counts once
                 self._add_round(record.round)
+            self._count_drafts(record.round)
         for key in TOKEN_TIMES:
             self.time_ms[key] += getattr(record, f"{key}_ms")
 
     def _add_round(self, round_: Round) -> None:
         self._last_round = round_
+        self._round_seen = 0
         self.rounds += round_.drafts > 0
         self.lookup_rounds += round_.drafts > 0 and round_.choice == Choice.LOOKUP
-        self.drafts += round_.drafts
         self.explore_rounds += round_.explored
         self.explore_ms += round_.explore_ms
         self.time_ms["batch"] += round_.batch_ms
+
+    def _count_drafts(self, round_: Round) -> None:
+        """A round's drafts, as its records arrive: the i-th record's row checked draft i, and the round's last record
+        brings the drafts past a correction (rejected with it). A round the reply cut (a stop string, an end of
+        generation, max_tokens) counts only the drafts of the rows it emitted: the ones after the cut were never
+        offered, and counting them as drafted read acceptance low."""
+        self._round_seen += 1
+        self.drafts += self._round_seen <= round_.drafts
+        if self._round_seen == round_.emitted:
+            self.drafts += max(round_.drafts - round_.emitted, 0)
 
     @property
     def prompt_tok_s(self) -> float:

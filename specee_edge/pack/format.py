@@ -143,7 +143,7 @@ class QualityLevel:
     verify_cost: float = 0.0       # measured: one verification batch against one plain token
     speedup_sampled: float = 0.0   # measured: exact mode's speed with chat's default sampling (speedup: greedy)
     speedup_low: float = 0.0       # measured: the low ends of the speed-ups' 95% intervals (bootstrapped over
-    speedup_sampled_low: float = 0.0  # held-out prompts); exact mode drafts only where it is above 1
+    speedup_sampled_low: float = 0.0  # held-out prompts); calibration keeps the exits on only where one is above 1
     agreement_low: float = 0.0     # lossy levels: the held-out agreement's 95% interval, bootstrapped over
     agreement_high: float = 0.0    # prompts (0: a pack from before it was; agreement_interval then falls back)
 
@@ -153,10 +153,10 @@ class QualityLevel:
         return self.max_draft > 0
 
     def drafts(self, greedy: bool) -> bool:
-        """Exact mode drafts for this kind of decoding (else it decodes plainly): calibration measured it faster,
-        beyond the noise of its measurement.
-        Sampling accepts fewer drafts than greedy decoding, so the two are measured apart. With every layer off
-        the drafts come from prompt lookup alone."""
+        """Calibration measured exact mode faster than plain decoding for this kind of decoding, beyond the noise of
+        its measurement (sampling accepts fewer drafts than greedy decoding, so the two are measured apart). A record,
+        not a switch: the engine's controller decides every round on the machine it runs on, by prompt lookup
+        alone where every layer is off."""
         return self.exact and (self.speedup_low if greedy else self.speedup_sampled_low) > 1.0
 
     @property
@@ -171,7 +171,7 @@ class QualityLevel:
 
     @property
     def off(self) -> bool:
-        """Every layer off: the engine decodes plainly."""
+        """Every layer off: a lossy level decodes plainly; exact mode drafts by prompt lookup alone."""
         return not self.on_layers
 
     def agreement_interval(self, z: float = 1.96) -> tuple[float, float]:
