@@ -4,6 +4,7 @@ the sandbox's limits, the full model's log-likelihood, and eval itself on a few 
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -16,7 +17,9 @@ from specee_edge.eval import humaneval
 from specee_edge.eval.run import LOGLIK, PLAIN, EvalConfig, run_eval
 from specee_edge.eval.sandbox import limits, run_program
 from specee_edge.eval.score import mean_log_likelihood, paired_difference, paired_ratio
+from specee_edge.pack.task_figures import figures_path, read_figures
 from specee_edge.runtime import Context
+from tests.conftest import SHIPPED_PACK
 
 # the first problems, and two whose prompt defines a helper the function uses (38: decode_cyclic, 50: decode_shift)
 GRADED = ("HumanEval/0", "HumanEval/1", "HumanEval/2", "HumanEval/38", "HumanEval/50", "HumanEval/53")
@@ -130,9 +133,12 @@ def test_eval_needs_the_opt_in_to_run_code():
 
 
 def test_eval_humaneval_on_the_default_model(tmp_path):
-    out, samples = tmp_path / "eval.json", tmp_path / "samples.jsonl"
+    """Two problems at plain, 0.9 and exact, the figures stored beside (a copy of) the shipped pack and shown by info."""
+    out, samples, pack = tmp_path / "eval.json", tmp_path / "samples.jsonl", tmp_path / "smol.specee.gguf"
+    shutil.copy(SHIPPED_PACK, pack)
+    assert "none stored for this pack" in CliRunner().invoke(app, ["info", str(pack)]).output  # as an older pack
     args = ["eval", "--tasks", "humaneval", "--limit", "2", "--confirm-run-unsafe-code", "-n", "64", "-t", "1",
-            "--quality", "exact,0.9", "--json", str(out), "--log-samples", str(samples)]
+            "--quality", "exact,0.9", "--pack", str(pack), "--store", "--json", str(out), "--log-samples", str(samples)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "pass@1" in result.output and "time per" in result.output
@@ -155,3 +161,16 @@ def test_eval_humaneval_on_the_default_model(tmp_path):
     assert all(r["outcome"] and r["code"] is not None and r["tokens"] <= 64 for r in rows)
     # what the table says passed is what the samples say
     assert np.mean([r["passed"] for r in rows if r["level"] == PLAIN]) == levels[PLAIN]["pass_at_1"]
+
+    stored = read_figures(pack)
+    assert stored.current and stored.path == figures_path(pack) == tmp_path / "smol.specee.eval.json"
+    assert stored.tasks["humaneval"].levels == levels and stored.tasks["humaneval"].problems == 2
+    info = CliRunner().invoke(app, ["info", str(pack)], env={"COLUMNS": "200"}).output
+    assert "task figures (specee-edge eval, smol.specee.eval.json)" in info
+    exact_row = next(line for line in info.splitlines() if "│ 1 (exact) │" in line)
+    assert f"{levels['exact']['time_ratio']:.3f}x" in exact_row
+    # figures of another version of the pack are told apart
+    document = json.loads(stored.path.read_text())
+    stored.path.write_text(json.dumps(dict(document, pack_sha256="0" * 64)))
+    info = CliRunner().invoke(app, ["info", str(pack)], env={"COLUMNS": "200"}).output
+    assert "another version of this pack" in " ".join(info.split())  # a long title wraps

@@ -29,6 +29,7 @@ def eval_command(
     temp: Temp = 0.0,
     seed: Annotated[int, typer.Option("-s", "--seed", help="with --temp above 0: problem i draws from seed + i at every level")] = 0,
     confirm_run_unsafe_code: Annotated[bool, typer.Option("--confirm-run-unsafe-code", help="allow the humaneval task to run the programs the model writes, each in a child process with the limits the table names")] = False,
+    store: Annotated[bool, typer.Option("--store", help="keep the figures beside the pack (PACK.eval.json, with the pack's sha256), where `specee-edge info PACK` shows them")] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="write the figures as JSON here")] = None,
     log_samples: Annotated[Path | None, typer.Option("--log-samples", help="write every answer here, one JSON line each (reply, code, outcome, log-likelihood, time)")] = None,
 ) -> None:
@@ -47,12 +48,14 @@ def eval_command(
             model=resolve_model(pick_model(model, None, hf_repo, hf_file)), pack=pack or AUTO, tasks=parse_tasks(tasks),
             limit=limit, quality=quality, prompt_set=prompts, tokens=n_predict, threads=threads or default_threads(),
             sampling=GREEDY if temp == 0 else SamplingParams(temperature=temp, seed=seed),
-            run_code=confirm_run_unsafe_code, command=" ".join(["specee-edge", *sys.argv[1:]]))
+            run_code=confirm_run_unsafe_code, store=store, command=" ".join(["specee-edge", *sys.argv[1:]]))
         with progress_bars(20) as progress:
             result = run_eval(config, progress)
     except SpecEEError as e:
         raise fail(e) from None
     console.print(result.render())
+    if result.stored:
+        console.print(f"stored the figures in {result.stored}")
     if json_path:
         result.write_json(json_path)
         console.print(f"wrote {json_path}")

@@ -80,9 +80,11 @@ class EvalResult:
     tasks: list[TaskResult]
     seconds: float
     command: str
+    stored: Path | None = None   # --store: the file beside the pack the figures went to
 
     def to_json(self) -> dict:
         document = asdict(self)
+        document["stored"] = str(self.stored) if self.stored else None
         for task in document["tasks"]:
             del task["samples"]
         return document

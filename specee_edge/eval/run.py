@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +23,7 @@ from specee_edge.eval.report import EvalResult, LevelResult, Sample, TaskResult
 from specee_edge.eval.sandbox import Limits, limits, run_program
 from specee_edge.eval.score import mean_log_likelihood, paired_difference, paired_ratio
 from specee_edge.pack import EXACT_QUALITY, parse_quality, quality_name
+from specee_edge.pack.task_figures import TaskFigures, store_figures
 from specee_edge.runtime import Context
 from specee_edge.threads import default_threads
 
@@ -43,6 +44,7 @@ class EvalConfig:
     threads: int = field(default_factory=default_threads)
     sampling: SamplingParams = field(default_factory=lambda: GREEDY)
     run_code: bool = False           # --confirm-run-unsafe-code: the humaneval task runs the model's programs
+    store: bool = False              # --store: keep the figures beside the pack (PACK.eval.json), where info reads them
     command: str = ""
 
 
@@ -127,15 +129,26 @@ def run_eval(config: EvalConfig, reporter: Reporter = Silent()) -> EvalResult:
     items = {task: task_items(task, config) for task in config.tasks}
     engine = Engine(config.model, pack=config.pack, config=EngineConfig(n_ctx=ENGINE_CTX, n_threads=config.threads))
     try:
+        if config.store and engine.pack_path is None:
+            raise SpecEEError(f"--store keeps the figures beside the pack, and {config.model.name} has none")
         levels = [engine_level(engine, setting) for setting in [PLAIN, *levels_to_run(engine, config.quality)]]
         tasks = [run_task(engine, task, items[task], levels, config, reporter) for task in config.tasks]
-        pack = engine.pack_path.name if engine.pack_path else None
+        pack_path = engine.pack_path
     finally:
         engine.close()
-    return EvalResult(model=config.model.name, pack=pack, threads=config.threads,
-                      temperature=0.0 if config.sampling.greedy else config.sampling.temperature,
-                      seed=config.sampling.seed, tokens=config.tokens, tasks=tasks,
-                      seconds=time.perf_counter() - start, command=config.command)
+    result = EvalResult(model=config.model.name, pack=pack_path.name if pack_path else None, threads=config.threads,
+                        temperature=0.0 if config.sampling.greedy else config.sampling.temperature,
+                        seed=config.sampling.seed, tokens=config.tokens, tasks=tasks,
+                        seconds=time.perf_counter() - start, command=config.command)
+    if config.store:
+        result.stored = store_figures(pack_path, [task_figures(result, task) for task in tasks])
+    return result
+
+
+def task_figures(result: EvalResult, task: TaskResult) -> TaskFigures:
+    return TaskFigures(task=task.task, problems=task.problems, tokens=result.tokens, threads=result.threads,
+                       temperature=result.temperature, command=result.command,
+                       levels={level.level: asdict(level) for level in task.levels})
 
 
 def decode(engine: Engine, prompt: list[int], config: EvalConfig, index: int) -> Answer:
