@@ -16,7 +16,7 @@ from specee_edge.default_model import default_model_path
 from specee_edge.eval import humaneval
 from specee_edge.eval.run import LOGLIK, PLAIN, EvalConfig, run_eval
 from specee_edge.eval.sandbox import limits, run_program
-from specee_edge.eval.score import mean_log_likelihood, paired_difference, paired_ratio
+from specee_edge.eval.score import mean_log_likelihoods, paired_difference, paired_ratio
 from specee_edge.pack.task_figures import figures_path, read_figures
 from specee_edge.runtime import Context
 from tests.conftest import SHIPPED_PACK
@@ -87,31 +87,35 @@ def test_paired_intervals():
 
 
 def test_log_likelihood_is_the_full_models_token_by_token(default_model):
-    """The batched score equals the mean of the full model's log-probabilities of each answer token, decoded one
-    token at a time (up to the kernels' rounding)."""
+    """The batched scores equal the mean of the full model's log-probabilities of each answer token, decoded one
+    token at a time (up to the kernels' rounding), for answers that share the prompt's cache."""
     prompt = default_model.tokenize("<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n",
                                     add_special=True, parse_special=True)
-    answer = default_model.tokenize("Blue is a colour of the sky.", add_special=False, parse_special=False)
+    answers = [default_model.tokenize(text, add_special=False, parse_special=False)
+               for text in ("Blue is a colour of the sky.", "Red.", "Blue is a colour of the sea, and green of grass.")]
     ctx = Context(default_model, n_ctx=256, n_batch=256, n_threads=1)
     try:
-        batched = mean_log_likelihood(ctx, prompt, answer)
-        ctx.clear()
-        ctx.decode(prompt)
+        batched = mean_log_likelihoods(ctx, prompt, answers)
         stepwise = []
-        for token in answer:
-            stepwise.append(float(log_softmax(ctx.logits().astype(np.float64))[token]))
-            ctx.decode([token])
+        for answer in answers:
+            ctx.clear()
+            ctx.decode(prompt)
+            scores = []
+            for token in answer:
+                scores.append(float(log_softmax(ctx.logits().astype(np.float64))[token]))
+                ctx.decode([token])
+            stepwise.append(np.mean(scores))
     finally:
         ctx.close()
-    assert batched == pytest.approx(np.mean(stepwise), abs=0.02)
-    assert batched < 0
+    assert batched == pytest.approx(stepwise, abs=0.02)
+    assert all(score < 0 for score in batched)
 
 
 def test_the_loglik_task_on_the_default_model():
     """Plain decoding, exact mode and a lossy level on two prompts: exact mode's answers are plain's (greedy, up to
     near-ties), so its gap is 0 where they are identical."""
     result = run_eval(EvalConfig(model=default_model_path(), tasks=[LOGLIK], limit=2, quality="exact,0.9",
-                                 prompt_set="chat", tokens=24, threads=1))
+                                 prompt_set="chat", tokens=16, threads=1))
     (task,) = result.tasks
     assert task.problems == 2 and [lv.level for lv in task.levels] == [PLAIN, "0.9", "exact"]
     plain, lossy, exact = task.levels
@@ -137,7 +141,7 @@ def test_eval_humaneval_on_the_default_model(tmp_path):
     out, samples, pack = tmp_path / "eval.json", tmp_path / "samples.jsonl", tmp_path / "smol.specee.gguf"
     shutil.copy(SHIPPED_PACK, pack)
     assert "none stored for this pack" in CliRunner().invoke(app, ["info", str(pack)]).output  # as an older pack
-    args = ["eval", "--tasks", "humaneval", "--limit", "2", "--confirm-run-unsafe-code", "-n", "64", "-t", "1",
+    args = ["eval", "--tasks", "humaneval", "--limit", "2", "--confirm-run-unsafe-code", "-n", "40", "-t", "1",
             "--quality", "exact,0.9", "--pack", str(pack), "--store", "--json", str(out), "--log-samples", str(samples)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -158,7 +162,7 @@ def test_eval_humaneval_on_the_default_model(tmp_path):
     assert levels["exact"]["unchanged"]
     rows = [json.loads(line) for line in samples.read_text().splitlines()]
     assert len(rows) == 6 and {r["problem"] for r in rows} == {"HumanEval/0", "HumanEval/1"}
-    assert all(r["outcome"] and r["code"] is not None and r["tokens"] <= 64 for r in rows)
+    assert all(r["outcome"] and r["code"] is not None and r["tokens"] <= 40 for r in rows)
     # what the table says passed is what the samples say
     assert np.mean([r["passed"] for r in rows if r["level"] == PLAIN]) == levels[PLAIN]["pass_at_1"]
 

@@ -21,7 +21,7 @@ from specee_edge.errors import SpecEEError
 from specee_edge.eval import humaneval
 from specee_edge.eval.report import EvalResult, LevelResult, Sample, TaskResult
 from specee_edge.eval.sandbox import Limits, limits, run_program
-from specee_edge.eval.score import mean_log_likelihood, paired_difference, paired_ratio
+from specee_edge.eval.score import mean_log_likelihoods, paired_difference, paired_ratio
 from specee_edge.pack import EXACT_QUALITY, parse_quality, quality_name
 from specee_edge.pack.task_figures import TaskFigures, store_figures
 from specee_edge.runtime import Context
@@ -180,13 +180,12 @@ def run_task(engine: Engine, task: str, items: Sequence[Item], levels: Sequence[
     ctx = Context(engine.model, n_ctx=ENGINE_CTX, n_batch=ENGINE_CTX, n_threads=config.threads)
     try:
         with threadpool_limits(limits=1, user_api="blas"):
-            advance = reporter.task(f"{task}: scoring", len(items) * len(names))
-            log_likelihoods = {}
-            for name in names:
-                log_likelihoods[name] = []
-                for prompt, answer in zip(prompts, answers[name]):
-                    log_likelihoods[name].append(mean_log_likelihood(ctx, prompt, answer.tokens))
-                    advance(1)
+            advance = reporter.task(f"{task}: scoring", len(items))
+            log_likelihoods: dict[str, list[float]] = {name: [] for name in names}
+            for i, prompt in enumerate(prompts):  # each prompt decoded once for its answers at every level
+                for name, score in zip(names, mean_log_likelihoods(ctx, prompt, [answers[n][i].tokens for n in names])):
+                    log_likelihoods[name].append(score)
+                advance(1)
             plain_tokens = [a.tokens for a in answers[PLAIN]]
             margins = {level.name: divergence_margins(ctx, prompts, plain_tokens, [a.tokens for a in answers[level.name]])
                        for level in levels if level.exact}

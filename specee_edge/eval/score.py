@@ -12,20 +12,24 @@ from specee_edge.bootstrap import interval
 from specee_edge.runtime import Context
 
 
-def mean_log_likelihood(ctx: Context, prompt: Sequence[int], answer: Sequence[int]) -> float:
-    """The full model's mean log-probability per token of `answer` after `prompt`, teacher forced: the prompt but its
-    last token, then that token and the answer but its last in one batch whose rows give each answer token's
-    distribution. `ctx` is a context with early exit off (every layer, as plain decoding) and n_batch >= len(answer)."""
-    if not answer:
-        return 0.0
+def mean_log_likelihoods(ctx: Context, prompt: Sequence[int], answers: Sequence[Sequence[int]]) -> list[float]:
+    """The full model's mean log-probability per token of each answer after `prompt`, teacher forced: the prompt but
+    its last token, decoded once for every answer, then that token and the answer but its last in one batch whose
+    rows give each answer token's distribution. `ctx` is a context with early exit off (every layer, as plain
+    decoding) and n_batch >= the longest answer."""
     ctx.clear()
     if len(prompt) > 1:
         ctx.decode(list(prompt[:-1]))
-    ctx.decode([prompt[-1], *answer[:-1]], output_all=True)
-    total = 0.0
-    for row, token in enumerate(answer):
-        total += float(log_softmax(ctx.logits(row).astype(np.float64))[token])
-    return total / len(answer)
+    scores = []
+    for answer in answers:
+        if not answer:
+            scores.append(0.0)
+            continue
+        ctx.truncate(len(prompt) - 1)
+        ctx.decode([prompt[-1], *answer[:-1]], output_all=True)
+        total = sum(float(log_softmax(ctx.logits(row).astype(np.float64))[token]) for row, token in enumerate(answer))
+        scores.append(total / len(answer))
+    return scores
 
 
 def paired_difference(level: np.ndarray, plain: np.ndarray, seed: int = 0) -> tuple[float, tuple[float, float]]:
