@@ -125,7 +125,7 @@ def task_tables(result: EvalResult, task: TaskResult) -> list[Table]:
     answers = Table(title=f"{task.task}: {subject}, {decoding}, up to {result.tokens} tokens; {result.model}, "
                           f"pack {result.pack or 'none'}", title_justify="left", box=box.SIMPLE_HEAD)
     answers.add_column("level", no_wrap=True)
-    for column in (("pass@1", "pass@1\n- plain") if code else ()) + (
+    for column in (("pass@1\n(- plain)",) if code else ()) + (
             "log-lik\n/token", "log-lik\n- plain", "repeated\n(loops)", "same as\nplain"):
         answers.add_column(column, justify="right", no_wrap=True)
     speed = Table(title=f"{task.task}: decoding speed, {result.threads} thread{'s' if result.threads > 1 else ''}", title_justify="left",
@@ -135,9 +135,8 @@ def task_tables(result: EvalResult, task: TaskResult) -> list[Table]:
     for level in task.levels:
         row = [level.level]
         if code:
-            row.append(f"{level.pass_at_1:.3f}")
-            row.append("" if level.pass_at_1_diff is None else signed(level.pass_at_1_diff, level.pass_at_1_diff_interval)
-                       + f"\n+{level.only_level_passed} -{level.only_plain_passed}")
+            row.append(f"{level.pass_at_1:.3f}" + ("" if level.pass_at_1_diff is None else "\n" + signed(
+                level.pass_at_1_diff, level.pass_at_1_diff_interval) + f"\n+{level.only_level_passed} -{level.only_plain_passed}"))
         gap = "" if level.log_likelihood_gap is None else signed(level.log_likelihood_gap,
                                                                   level.log_likelihood_gap_interval)
         answers.add_row(*row, f"{level.log_likelihood:.3f}", gap, f"{level.repetition:.3f}\n({level.looping})",
@@ -145,7 +144,7 @@ def task_tables(result: EvalResult, task: TaskResult) -> list[Table]:
         ratio = "" if level.time_ratio is None else (
             f"{level.time_ratio:.3f}x\n({level.time_ratio_interval[0]:.2f},{level.time_ratio_interval[1]:.2f})")
         speed.add_row(level.level, f"{level.tok_s:.1f}", f"{level.seconds_per_answer:.2f} s", ratio)
-    notes = [INTERVALS + ("; pass@1 - plain, third line: +problems only the level passes, -problems only plain passes"
+    notes = [INTERVALS + ("; pass@1, last line: +problems only the level passes, -problems only plain passes"
                           if code else "")]
     notes.append("log-lik: the full model's mean log-probability per answer token, teacher forced; repeated: share of "
                  "answer tokens inside a 4-gram the answer already said, (answers at least half repeated): loops "
