@@ -22,6 +22,7 @@ PACKAGE = ROOT / "specee_edge"
 LAYERS = (
     ("cli",),
     ("stores",),
+    ("eval",),
     ("bench", "calibrate", "pull", "hf", "server"),
     ("engine",),
     ("draft", "predictor"),

@@ -1,6 +1,6 @@
 """The `specee-edge` command line: one module per group of commands, all on one typer app."""
 
-from specee_edge.cli import bench, calibrate, chat, models, pull, rpc_worker, serve, setup  # noqa: F401
+from specee_edge.cli import bench, calibrate, chat, evaluate, models, pull, rpc_worker, serve, setup  # noqa: F401
 from specee_edge.cli import tools  # noqa: F401  (registers its commands)
 from specee_edge.cli.app import app, err_console
 from specee_edge.errors import SETUP_HINT, RuntimeMissingError

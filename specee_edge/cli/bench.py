@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -37,6 +38,19 @@ class ManualProgress:
                 self.progress.refresh()
 
         return advance
+
+
+@contextmanager
+def progress_bars(width: int = 9) -> Iterator[ManualProgress]:
+    """Progress bars on stderr, each named in `width` characters, refreshed by their advances; gone once done.
+    Ctrl+C meanwhile ends the command (status 130) with no results."""
+    columns = (TextColumn(f"{{task.description:>{width}}}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    try:
+        with Progress(*columns, console=err_console, transient=True, auto_refresh=False) as progress:
+            yield ManualProgress(progress)
+    except KeyboardInterrupt:
+        err_console.print("interrupted: no results")
+        raise typer.Exit(130) from None
 
 
 def pack_note(model: Path, threads: int) -> str:
@@ -126,12 +140,11 @@ def bench(
             flash_attn=flash_attn.value,
             llama_server=server, llama_server_asked=llama_server, spec_types=spec_types, draft_model=draft_model, dropped=dropped, command=" ".join(["specee-edge", *sys.argv[1:]]),
         )
-        columns = (TextColumn("{task.description:>9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=err_console, transient=True, auto_refresh=False) as progress:
-            result = run_bench(config, ManualProgress(progress))
+        with progress_bars() as progress:
+            result = run_bench(config, progress)
     except SpecEEError as e:
         raise fail(e) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the bars (a llama-server build)
         err_console.print("interrupted: no results")
         raise typer.Exit(130) from None
     console.print(result.render())

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from specee_edge.errors import RuntimeMissingError
 from specee_edge.gguf_index import GGUFIndex
@@ -14,6 +15,7 @@ from specee_edge.exits import ExitKind
 from specee_edge.pack.format import PACK_ARCH, Pack, QualityLevel, quality_name
 from specee_edge.pack.io import read_pack
 from specee_edge.pack.locate import find_pack, pack_origin
+from specee_edge.pack.task_figures import figures_path, read_figures
 from specee_edge.pack.target import target_identity
 
 
@@ -105,7 +107,51 @@ def _pack_summary(path: Path) -> Group:
         n = sum(w.size + b.size for w, b in zip(p.weights, p.biases))
         predictors.add_row(str(layer), " -> ".join(map(str, p.shape)), f"{n:,}", f"{pack.temperatures.get(layer, 1.0):.3g}")
     provenance = _kv_table("provenance", [(k, str(v)) for k, v in sorted(pack.provenance.items())])
-    return Group(head, *([_levels_table(pack)] if pack.levels else []), predictors, provenance)
+    return Group(head, *([_levels_table(pack), _task_figures(path, pack)] if pack.levels else []), predictors, provenance)
+
+
+def _task_figures(path: Path, pack: Pack) -> Table | Text:
+    """What `specee-edge eval --store` measured of each level against plain decoding, beside the level's agreement
+    and speed from calibration; a line where nothing was stored (a pack from before eval, or never evaluated)."""
+    stored = read_figures(path)
+    if stored is None:
+        return Text(f"task figures: none stored for this pack ({figures_path(path).name} beside it): "
+                    "`specee-edge eval --tasks humaneval,loglik --store` measures them")
+    title = f"task figures (specee-edge eval, {stored.path.name})"
+    if not stored.current:
+        title += ": measured on another version of this pack (its sha256 differs)"
+    table = Table(title=title, title_justify="left")
+    table.add_column("quality", justify="right", no_wrap=True)
+    for column in ("agreement", "speed\n(calibration)"):
+        table.add_column(column, justify="right")
+    humaneval, loglik = stored.tasks.get("humaneval"), stored.tasks.get("loglik")
+    if humaneval:
+        for column in ("pass@1\n(- plain)", "time per\nanswer\n/ plain", "log-lik\n- plain\n(code)"):
+            table.add_column(column, justify="right")
+    if loglik:
+        table.add_column("log-lik\n- plain\n(prompts)", justify="right")
+    levels = {quality_name(level.quality): level for level in pack.levels}
+    for name in dict.fromkeys(name for task in stored.tasks.values() for name in task.levels):
+        level = levels.get(name)
+        row = [name, "1 (exact)" if level is not None and level.exact else "" if level is None else f"{level.agreement:.3f}",
+               "" if level is None else f"{level.speedup:.3f}x"]
+        if humaneval:
+            figures = humaneval.levels.get(name, {})
+            row += [_figure(figures, "pass_at_1", "{:.3f}") + _figure(figures, "pass_at_1_diff", " ({:+.3f})"),
+                    _figure(figures, "time_ratio", "{:.3f}x"), _figure(figures, "log_likelihood_gap", "{:+.3f}")]
+        if loglik:
+            row.append(_figure(loglik.levels.get(name, {}), "log_likelihood_gap", "{:+.3f}"))
+        table.add_row(*row)
+    table.caption = "; ".join(
+        f"{task.task}: {task.problems} {'problems' if task.task == 'humaneval' else 'prompts'}, up to {task.tokens} tokens, "
+        f"{'greedy' if task.temperature == 0 else f'temperature {task.temperature:g}'} ({task.command})"
+        for task in stored.tasks.values()) + "; each difference is against plain decoding (exits off) on the same problems"
+    return table
+
+
+def _figure(figures: dict, key: str, spec: str) -> str:
+    value = figures.get(key)
+    return "" if value is None else spec.format(value)
 
 
 def _levels_table(pack: Pack) -> Table:
