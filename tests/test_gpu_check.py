@@ -17,6 +17,7 @@ import pytest
 from specee_edge import build_runtime
 from specee_edge.pack import read_pack
 from specee_edge.runtime import Context, Model
+from specee_edge.runtime.placement import Placement
 from tests.conftest import SHIPPED_PACK, load_tool
 from tests.tiny_gguf import ARCHS, TinyConfig, write_tiny_model
 
@@ -121,7 +122,7 @@ def test_the_cost_table_times_every_lane_and_predicts_each_level(tmp_path, monke
     shape = tool.Shape("tiny", TinyConfig("llama", n_vocab=512, weight_type="q4_1", n_embd=64, n_ff=128), SHIPPED_PACK.name)
     path = write_tiny_model(tmp_path / "tiny.gguf", shape.config, tiled=True)
     pack = read_pack(SHIPPED_PACK)
-    measured = tool.measure(path, shape, pack, gpu_layers=0, threads=1, rounds=1, tokens=3)
+    measured = tool.measure(path, shape, pack, placement=Placement(), threads=1, rounds=1, tokens=3)
     assert list(measured.batch_ms) == list(tool.BATCH_ROWS)
     assert all(ms > 0 for ms in [*measured.batch_ms.values(), measured.resume_ms, measured.costs.plain_ms])
     rows = tool.predictions(measured, pack)

@@ -45,8 +45,8 @@ def eval_command(
         if temp < 0:
             raise SpecEEError(f"--temp must be 0 (greedy) or more, got {temp:g}")
         config = EvalConfig(
-            model=resolve_model(pick_model(model, None, hf_repo, hf_file)), pack=pack or AUTO, tasks=parse_tasks(tasks),
-            limit=limit, quality=quality, prompt_set=prompts, tokens=n_predict, threads=threads or default_threads(),
+            model=resolve_model(pick_model(model, None, hf_repo, hf_file)).path, pack=pack or AUTO,
+            tasks=parse_tasks(tasks), limit=limit, quality=quality, prompt_set=prompts, tokens=n_predict, threads=threads or default_threads(),
             sampling=GREEDY if temp == 0 else SamplingParams(temperature=temp, seed=seed),
             run_code=confirm_run_unsafe_code, store=store, command=" ".join(["specee-edge", *sys.argv[1:]]))
         with progress_bars(20) as progress:
