@@ -13,8 +13,9 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specee_edge.cli.app import app, console, err_console, fail
-from specee_edge.cli.chat import (RPC_TIMEOUT_S, FlashAttn, FlashAttnSetting, GpuLayers, HfFile, HfRepo, Rpc,
-                                  OffloadFirst, OverrideTensor, RpcTimeout, TensorSplit, pick_model, set_placement)
+from specee_edge.cli.chat import (RPC_TIMEOUT_S, FlashAttn, FlashAttnSetting, GpuLayers, HfFile, HfRepo, ModelArg,
+                                  OffloadFirst, OverrideTensor, PackOpt, Rpc, RpcTimeout, TensorSplit, pick_model,
+                                  set_placement)
 from specee_edge.errors import SpecEEError
 
 REFRESH_S = 0.2
@@ -67,10 +68,10 @@ def pack_note(model: Path, threads: int) -> str:
 
 @app.command()
 def bench(
-    model: Annotated[str | None, typer.Argument(help="model GGUF or registry name (default: the default model)")] = None,
+    model: ModelArg = None,
     hf_repo: HfRepo = None,
     hf_file: HfFile = None,
-    pack: Annotated[str | None, typer.Option("--pack", help="pack (default: MODEL.specee.gguf beside the model, else the shipped one)")] = None,
+    pack: PackOpt = None,
     prompts: Annotated[str, typer.Option("--prompts", help="chat, code, math, summarize, edit; Spec-Bench's multi-turn, translation, summarization, qa, math-reasoning, rag (spec-bench: those six); all; or a .jsonl file")] = "all",
     num_prompts: Annotated[int, typer.Option("-p", "--num-prompts", help="prompts to run, in turns from each category (0: all)")] = 8,
     tokens: Annotated[int, typer.Option("-n", "--tokens", help="tokens generated per prompt")] = 96,

@@ -10,16 +10,16 @@ import typer
 
 from specee_edge.cli.app import app, console, fail
 from specee_edge.cli.bench import progress_bars
-from specee_edge.cli.chat import HfFile, HfRepo, Temp, Threads, pick_model
+from specee_edge.cli.chat import HfFile, HfRepo, ModelArg, PackOpt, Temp, Threads, pick_model
 from specee_edge.errors import SpecEEError
 
 
 @app.command("eval")
 def eval_command(
-    model: Annotated[str | None, typer.Argument(help="model GGUF or registry name (default: the default model)")] = None,
+    model: ModelArg = None,
     hf_repo: HfRepo = None,
     hf_file: HfFile = None,
-    pack: Annotated[str | None, typer.Option("--pack", help="pack (default: MODEL.specee.gguf beside the model, else the shipped one)")] = None,
+    pack: PackOpt = None,
     tasks: Annotated[str, typer.Option("--tasks", help="humaneval (runs the model's code: needs --confirm-run-unsafe-code), loglik (the full model's log-likelihood of answers to --prompts), or both: humaneval,loglik")] = "humaneval",
     limit: Annotated[int, typer.Option("--limit", help="problems (prompts) per task, from the first (0: all)")] = 0,
     quality: Annotated[str, typer.Option("--quality", help="the pack's levels to compare with plain decoding: all, or a list such as exact,0.95")] = "all",
