@@ -15,7 +15,7 @@ def measured(plain_ms: float, batch_ms: dict[int, float]) -> Controller:
     controller = Controller()
     controller.observe(Outcome(Plan(Choice.PLAIN, 0, 0.0), emitted=1, ms=plain_ms))
     for rows, ms in batch_ms.items():
-        controller.batch.add(rows, ms)
+        controller.batches[Choice.LOOKUP].add(rows, ms)
     return controller
 
 
@@ -28,9 +28,10 @@ def accept(controller: Controller, choice: Choice, accepted: int, drafts: int, r
             counts.setdefault((choice, greedy, match), AcceptanceCount()).add(accepted, drafts)
 
 
-def plan(controller: Controller, lookup: int = 8, exits: bool = False, limit: int = 8, greedy: bool = True,
+def plan(controller: Controller, lookup: int = 8, exits: int = 0, limit: int = 8, greedy: bool = True,
          match: int = 0) -> Plan:
-    return controller.plan(lookup_drafts=lookup, exits=exits, limit=limit, greedy=greedy, lookup_match=match)
+    """`exits`: the most drafts the pack's exits may give (0: none)."""
+    return controller.plan(lookup_drafts=lookup, exit_drafts=exits, limit=limit, greedy=greedy, lookup_match=match)
 
 
 def test_a_lookup_round_is_priced_per_expected_token():
@@ -115,14 +116,14 @@ def test_exit_rounds_priced_from_their_steps():
     """Exit drafts pay for their drafting steps: cheap exits win, exits that cost a whole step do not."""
     cheap = Controller(ExitPrior(acceptance=0.8, exit_share=0.9))
     cheap.observe(Outcome(Plan(Choice.PLAIN, 0, 0.0), emitted=1, ms=10.0))
-    cheap.batch.add(4, 14.0)
+    cheap.batches[Choice.EXIT].add(4, 14.0)
     cheap.draft_step.add(4.0)
-    assert plan(cheap, lookup=0, exits=True).choice == Choice.EXIT
+    assert plan(cheap, lookup=0, exits=8).choice == Choice.EXIT
     dear = Controller(ExitPrior(acceptance=0.8, exit_share=0.9))
     dear.observe(Outcome(Plan(Choice.PLAIN, 0, 0.0), emitted=1, ms=10.0))
-    dear.batch.add(4, 14.0)
+    dear.batches[Choice.EXIT].add(4, 14.0)
     dear.draft_step.add(11.0)
-    assert plan(dear, lookup=0, exits=True).choice == Choice.PLAIN
+    assert plan(dear, lookup=0, exits=8).choice == Choice.PLAIN
 
 
 def test_acceptance_is_per_kind_and_per_decoding():
@@ -224,9 +225,9 @@ def test_exploring_a_plain_step_is_priced_as_a_plain_step():
 
 def test_an_exploration_measures_the_stalest_batch_again():
     controller = measured(10.0, {})
-    controller.batch.add(2, 40.0, at=1)  # long ago, and dear
-    controller.batch.add(3, 15.0, at=50)
-    controller.batch.add(4, 17.0, at=60)
+    controller.batches[Choice.LOOKUP].add(2, 40.0, at=1)  # long ago, and dear
+    controller.batches[Choice.LOOKUP].add(3, 15.0, at=50)
+    controller.batches[Choice.LOOKUP].add(4, 17.0, at=60)
     accept(controller, Choice.LOOKUP, 0, 3, rounds=10)
     controller._waited[(Choice.LOOKUP, False)] = EXPLORE_WAIT
     controller._explore_budget = 100.0
@@ -279,7 +280,7 @@ def test_a_hiccup_on_the_first_batch_is_unlearned(seed):
     first batch (true cost 13) must not keep drafting priced out."""
     hit, rows, hit_ms = simulate(seed, hiccup_ms=40.0, requests=100)
     _, _, clean_ms = simulate(seed, hiccup_ms=13.0 + 2.0 * (rows - 2), requests=100)
-    assert hit.batch.curve(rows, 10.0)[rows] <= 13.0 + 2.0 * (8 - 1)  # no dearer than the longest batch
+    assert hit.batches[Choice.LOOKUP].curve(rows, 10.0)[rows] <= 13.0 + 2.0 * (8 - 1)  # no dearer than the longest batch
     assert hit_ms <= 1.03 * clean_ms
 
 
@@ -376,3 +377,38 @@ def test_a_copy_that_has_just_begun_drafts_on_short_matches():
         controller.observe(Outcome(Plan(Choice.LOOKUP, 4, 0.0, match=8), emitted=5, ms=24.0, drafts=4, accepted=4,
                                    batch_ms=24.0))
     assert plan(controller, match=2).choice == Choice.LOOKUP
+
+
+def test_exit_rounds_draft_no_longer_than_the_level_allows():
+    """Cheap exits that are always right would draft as long as a round may; the level's max_draft caps them."""
+    controller = Controller(ExitPrior(acceptance=0.95, exit_share=1.0))
+    controller.observe(Outcome(Plan(Choice.PLAIN, 0, 0.0), emitted=1, ms=10.0))
+    controller.batches[Choice.EXIT].add(9, 12.0)
+    controller.draft_step.add(1.0)
+    assert plan(controller, lookup=0, exits=8).drafts == 8
+    assert plan(controller, lookup=0, exits=3).drafts == 3
+    assert plan(controller, lookup=0, exits=0).choice == Choice.PLAIN
+
+
+def test_the_graph_a_plain_step_builds_again_after_a_batch_is_charged_to_drafting():
+    """A plain step right after a drafting round builds its graph again: that surcharge is not a plain step's
+    cost, and it makes a drafting round that barely paid a loss."""
+    controller = measured(10.0, {2: 14.0})
+    accept(controller, Choice.LOOKUP, 1, 2, rounds=10)  # acceptance 0.5: 14 / 1.5 = 9.3 ms a token against 10
+    assert plan(controller, lookup=1, limit=1).choice == Choice.LOOKUP
+    lookup = Plan(Choice.LOOKUP, 1, 9.3)
+    for _ in range(3):
+        controller.observe(Outcome(lookup, emitted=1, ms=14.0, drafts=1, accepted=0, batch_ms=14.0))
+        controller.observe(Outcome(Plan(Choice.PLAIN, 0, 10.0), emitted=1, ms=12.0))  # 2 ms to build its graph
+        controller.observe(Outcome(Plan(Choice.PLAIN, 0, 10.0), emitted=1, ms=10.0))
+    assert controller.plain.value == 10.0 and controller.regraph.value == pytest.approx(2.0)
+    assert plan(controller, lookup=1, limit=1).choice == Choice.PLAIN  # (14 + 2) / 1.5 = 10.7 ms a token
+
+
+def test_batches_are_priced_by_the_kind_of_round_that_ran_them():
+    """An exit round's batch also keeps its rows for the next draft: lookup rounds are priced by lookup batches,
+    exit rounds by exit batches, each by the other's until it has its own."""
+    controller = measured(10.0, {4: 12.0})
+    assert controller._batches(Choice.EXIT) is controller.batches[Choice.LOOKUP]  # none of its own yet
+    controller.batches[Choice.EXIT].add(4, 30.0)
+    assert controller._batches(Choice.EXIT).curve(3, 10.0)[3] > controller._batches(Choice.LOOKUP).curve(3, 10.0)[3]

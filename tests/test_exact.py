@@ -16,7 +16,7 @@ import pytest
 
 from specee_edge.bench.quality import NEAR_TIE, divergence_margins
 from specee_edge.engine import GREEDY, Engine, EngineConfig, SamplingParams
-from specee_edge.engine.controller import Choice, ExitPrior
+from specee_edge.engine.controller import Choice, ExitPrior, Outcome
 from specee_edge.engine.records import GenerationStats, Round, TokenRecord, TokenSource
 from specee_edge.errors import SpecEEError
 from specee_edge.exits import ExitKind
@@ -432,6 +432,68 @@ def test_verified_tokens_are_not_exits_and_every_drafting_step_is_counted(engine
     assert any(r.draft_layer is not None for r in accepted)
     assert sum(r.probes for r in records) == sum(probes for probes, _ in steps) > 0
     assert sum(r.forward_ms for r in records) == pytest.approx(sum(ms for _, ms in steps))
+
+
+def observed_outcomes(engine: Engine) -> list[Outcome]:
+    """Every round's Outcome as the engine hands it to its controller (the controller learns from it as usual)."""
+    outcomes: list[Outcome] = []
+    observe = engine.controller.observe
+
+    def kept(outcome: Outcome) -> float:
+        outcomes.append(outcome)
+        return observe(outcome)
+
+    engine.controller.observe = kept
+    return outcomes
+
+
+def test_every_drafting_step_is_charged_to_its_round(default_model, tmp_path):
+    """An exit round's drafting steps are all priced, the last too where it ran every layer and ended the round
+    (at threshold 0.6 about half the drafting rounds end so): one measured step per draft."""
+    pack = read_pack(SHIPPED_PACK)
+    path = tmp_path / "strict.specee.gguf"
+    write_pack(path, dataclasses.replace(pack, levels=[exact_level_of(pack, threshold=0.6)], default_quality=EXACT_QUALITY))
+    engine = Engine(default_model.info.path, pack=path,
+                    config=EngineConfig(n_ctx=1024, n_threads=2, speculation="always", draft_max=6))
+    exit_layers: list[int | None] = []  # of each step since the last round ended
+    step = engine.step
+    engine.step = lambda token, exits=True: exit_layers.append((record := step(token, exits)).exit_layer) or record
+    rounds: list[tuple[Outcome, list[int | None]]] = []
+    observe = engine.controller.observe
+
+    def kept(outcome: Outcome) -> float:
+        rounds.append((outcome, exit_layers[:]))
+        exit_layers.clear()
+        return observe(outcome)
+
+    engine.controller.observe = kept
+    try:
+        for question in QUESTIONS[:2]:
+            list(engine.stream(prompt_of(engine, question), max_tokens=40, sampling=GREEDY))
+            engine.reset()
+    finally:
+        engine.close()
+    drafted = [(outcome, layers) for outcome, layers in rounds if outcome.plan.choice == Choice.EXIT and outcome.drafts]
+    assert any(layers[-1] is None for _, layers in drafted)  # some round's last drafting step ran every layer
+    assert all(len(outcome.draft_step_ms) == len(layers) == outcome.drafts for outcome, layers in drafted)
+
+
+def test_the_controller_keeps_exit_rounds_to_the_levels_max_draft(default_model, tmp_path):
+    """Auto mode drafts exits no longer than the exact level's calibrated max_draft (2 here), though a round may
+    check up to draft_max (8) and plain steps are dear enough to draft long."""
+    pack = read_pack(SHIPPED_PACK)
+    path = tmp_path / "short.specee.gguf"
+    write_pack(path, dataclasses.replace(pack, levels=[exact_level_of(pack, max_draft=2)], default_quality=EXACT_QUALITY))
+    engine = slowed(Engine(default_model.info.path, pack=path, config=EngineConfig(n_ctx=1024, n_threads=2)), step=4.0)
+    try:
+        outcomes = observed_outcomes(engine)
+        for question in QUESTIONS:
+            list(engine.stream(prompt_of(engine, question), max_tokens=48, sampling=GREEDY))
+            engine.reset()
+    finally:
+        engine.close()
+    exit_plans = [o.plan.drafts for o in outcomes if o.plan.choice == Choice.EXIT]
+    assert exit_plans and max(exit_plans) <= 2, exit_plans
 
 
 def test_a_level_with_exits_on_but_nothing_scheduled_drafts_by_lookup(default_model, exact_pack):

@@ -82,6 +82,11 @@ def exit_histogram(stats: GenerationStats) -> str:
     return " ".join(cells) or "-"
 
 
+def by_rows(batch_ms: dict[int, float]) -> str:
+    """Batch costs by row count: "2: 14.10, 4: 17.30" ("-" where none was measured)."""
+    return ", ".join(f"{rows}: {ms:.2f}" for rows, ms in batch_ms.items()) or "-"
+
+
 def stats_table(stats: GenerationStats) -> Table:
     """/stats and --verbose: the last reply in detail (SPEC.md §5 names)."""
     s = stats.summary()
@@ -106,8 +111,9 @@ def stats_table(stats: GenerationStats) -> Table:
         rows += [
             ("exact mode", exact_choices(stats) + f"; {s['explore_rounds']} explorations"
                            f" ({s['explore_ms']:+.1f} ms beyond the choices they displaced)"),
-            ("measured here", f"plain step {c.get('plain_ms') or 0:.2f} ms; batch by rows "
-                              + (", ".join(f"{r}: {ms:.2f}" for r, ms in c.get("batch_ms", {}).items()) or "-")),
+            ("measured here", f"plain step {c.get('plain_ms') or 0:.2f} ms (+{c.get('regraph_ms') or 0:.2f} after a batch);"
+                              f" lookup batch by rows {by_rows(c.get('batch_ms', {}))};"
+                              f" exit batch by rows {by_rows(c.get('exit_batch_ms', {}))}"),
         ]
     if s["rounds"]:
         rows += [

@@ -16,7 +16,8 @@ token. A round of m drafts, each accepted with probability a once those before i
 at the cost of its batch (and, for exit drafts, of the drafting steps), and the cheapest choice and draft
 length win, as DEL picks a speculation length per context from the acceptance it tracks.
 
-- Costs (a plain step, a batch by its row count, a drafting step) are the medians of the last COST_WINDOW
+- Costs (a plain step, a batch by its kind and row count, a drafting step, and the graph the plain step after a
+  drafting round builds again, which that round is charged) are the medians of the last COST_WINDOW
   times the engine's own rounds took, each with its sampling: they follow the machine when its speed moves,
   and one hiccup (a page fault, another process) never stands for a cost once it has been measured again. A
   row count not measured yet is interpolated between measured ones, or extrapolated beyond them
@@ -99,7 +100,9 @@ class Outcome:
     drafts: int = 0              # drafts the batch checked
     accepted: int = 0            # ... that the full model accepted
     batch_ms: float = 0.0        # the verification batch and its rows' sampling
-    draft_step_ms: tuple[float, ...] = ()  # exit rounds: each drafting step that exited
+    # exit rounds that drafted: each drafting step, the last one too where it ran every layer (its draft is the full
+    # model's token, yet the batch recomputes its cell: a drafting step like the others)
+    draft_step_ms: tuple[float, ...] = ()
     full_step_ms: float | None = None      # exit rounds: the step that ran every layer when the first did not exit
     greedy: bool = True
 
@@ -217,8 +220,12 @@ class Controller:
         self.exit_prior = exit_prior or ExitPrior()
         self.always_draft = always_draft
         self.plain = RecentCost()
-        self.batch = BatchCosts()
-        self.draft_step = RecentCost()   # a drafting step that exited
+        # a plain step right after a drafting round, less a plain step: llama.cpp reuses a step's graph only for the
+        # same shape, so the step after a batch builds its graph again; a drafting round pays for that
+        self.regraph = RecentCost()
+        # verification batches by kind: an exit round's batch also keeps every row's hidden state for the next draft
+        self.batches = {Choice.LOOKUP: BatchCosts(), Choice.EXIT: BatchCosts()}
+        self.draft_step = RecentCost()   # a drafting step of an exit round that drafted
         self.full_step = RecentCost()    # an exit round's first step that did not exit (probes, no draft)
         self.first_exits = MovingShare()  # share of exit rounds whose first step exited
         self._rounds = 0                 # rounds observed, the clock of measured_at
@@ -232,6 +239,7 @@ class Controller:
         self._shadow: list[int] = []     # lookup drafts offered before a plain step, being checked
         self._shadow_matched = 0         # ... how many of them the tokens decoded since have equalled
         self._shadow_bucket = 0          # ... the bucket of the match they were copied after
+        self._after_batch = False        # the last round ran a verification batch
 
     # --- a request ---------------------------------------------------------------------------
 
@@ -262,15 +270,26 @@ class Controller:
 
     # --- prices ------------------------------------------------------------------------------
 
+    def _batches(self, choice: Choice) -> BatchCosts:
+        """The batch costs that price `choice`'s rounds: its own kind's, or the other kind's until one of its own
+        was measured (the two differ by the draft head's rows, little beside the batch)."""
+        own = self.batches[choice]
+        if own.by_rows:
+            return own
+        return self.batches[Choice.EXIT if choice == Choice.LOOKUP else Choice.LOOKUP]
+
     def _round_ms(self, choice: Choice, m: int, batch: list[float]) -> tuple[float, float]:
         """A round of `choice` with m drafts: what it costs when it drafts, and when it does not (an exit round's
-        first step that ran every layer, probes and all, and gave one token); `batch` is the batch curve."""
+        first step that ran every layer, probes and all, and gave one token); `batch` is the batch curve. A
+        round that drafts also pays the graph the next plain step builds again (charged whole: the round after
+        a drafting round is mostly a plain step)."""
         if choice == Choice.PLAIN:
             return self.plain.value, self.plain.value
+        regraph = max(self.regraph.value or 0.0, 0.0)
         if choice == Choice.LOOKUP:
-            return batch[m + 1], batch[m + 1]
+            return batch[m + 1] + regraph, batch[m + 1] + regraph
         step, full = self._exit_step_ms()
-        return m * step + batch[m + 1], full
+        return m * step + batch[m + 1] + regraph, full
 
     def _prices(self, choice: Choice, max_drafts: int, greedy: bool, match: int = 0) -> list[float]:
         """The price of a round of `choice` (ms per emitted token) by its draft length 0 .. max_drafts (a drafting
@@ -280,7 +299,7 @@ class Controller:
         probability q and then drafts (m drafting steps and the batch); else it gives one token."""
         if choice == Choice.PLAIN:
             return [self.plain.value]
-        batch = self.batch.curve(max_drafts + 1, self.plain.value)
+        batch = self._batches(choice).curve(max_drafts + 1, self.plain.value)
         a = min(max(self.acceptance(choice, greedy, match), 0.0), MAX_ACCEPTANCE)
         q = 1.0
         if choice == Choice.EXIT:
@@ -314,31 +333,34 @@ class Controller:
         longest). With `other_than` (the best choice at another length), only a length measured before it."""
         if choice == Choice.PLAIN:
             return 0 if self.plain.value - best_price <= self._explore_budget else None
-        batch = self.batch.curve(max_drafts + 1, self.plain.value)
+        batches = self._batches(choice)
+        batch = batches.curve(max_drafts + 1, self.plain.value)
         covered = [m for m in range(1, max_drafts + 1)
                    if m != other_than and max(self._round_ms(choice, m, batch)) - best_price <= self._explore_budget]
         if other_than is not None:
-            covered = [m for m in covered if self.batch.measured_at(m + 1) < self.batch.measured_at(other_than + 1)]
+            covered = [m for m in covered if batches.measured_at(m + 1) < batches.measured_at(other_than + 1)]
         if not covered:
             return None
-        return min(covered, key=lambda m: (self.batch.measured_at(m + 1), -m))
+        return min(covered, key=lambda m: (batches.measured_at(m + 1), -m))
 
     # --- a round -----------------------------------------------------------------------------
 
-    def plan(self, *, lookup_drafts: int, exits: bool, limit: int, greedy: bool, lookup_match: int = 0) -> Plan:
+    def plan(self, *, lookup_drafts: int, exit_drafts: int, limit: int, greedy: bool, lookup_match: int = 0) -> Plan:
         """The next round. lookup_drafts: how many drafts prompt lookup offers now (0: no match), lookup_match: the
-        bucket of their match; exits: the pack's exits can draft; limit: the most drafts the round may check
-        (context, budget, n_batch)."""
-        if self.always_draft and limit >= 1 and (lookup_drafts or exits):
+        bucket of their match; exit_drafts: the most drafts the pack's exits may give a round (its level's
+        calibrated max_draft; 0: they cannot draft); limit: the most drafts the round may check (context, budget,
+        n_batch)."""
+        exit_drafts = min(exit_drafts, limit)
+        if self.always_draft and limit >= 1 and (lookup_drafts or exit_drafts):
             return (Plan(Choice.LOOKUP, min(lookup_drafts, limit), 0.0, match=lookup_match) if lookup_drafts
-                    else Plan(Choice.EXIT, limit, 0.0))
-        if self.plain.value is None or limit < 1 or self.always_draft or not (lookup_drafts or exits):
+                    else Plan(Choice.EXIT, exit_drafts, 0.0))
+        if self.plain.value is None or limit < 1 or self.always_draft or not (lookup_drafts or exit_drafts):
             return Plan(Choice.PLAIN, 0, self.plain.value or 0.0)  # no price without a plain step measured
         longest = {Choice.PLAIN: 0}
         if lookup_drafts >= 1:
             longest[Choice.LOOKUP] = min(lookup_drafts, limit)
-        if exits:
-            longest[Choice.EXIT] = limit
+        if exit_drafts >= 1:
+            longest[Choice.EXIT] = exit_drafts
         match = {Choice.LOOKUP: lookup_match}
         options = {choice: self._best(choice, m, greedy, match.get(choice, 0)) for choice, m in longest.items()}
         best = min(options, key=lambda c: options[c][1])
@@ -363,11 +385,13 @@ class Controller:
         plan = outcome.plan
         self._rounds += 1
         self._explore_budget += EXPLORE_SHARE * outcome.ms
-        if plan.choice == Choice.PLAIN:
+        if plan.choice == Choice.PLAIN and self._after_batch and self.plain.value is not None:
+            self.regraph.add(outcome.ms - self.plain.value, self._rounds)
+        elif plan.choice == Choice.PLAIN:
             self.plain.add(outcome.ms, self._rounds)
         else:
             if outcome.drafts:
-                self.batch.add(outcome.drafts + 1, outcome.batch_ms, self._rounds)
+                self.batches[plan.choice].add(outcome.drafts + 1, outcome.batch_ms, self._rounds)
                 self._count(plan.choice, outcome.greedy, plan.match, outcome.accepted, outcome.drafts)
             if plan.choice == Choice.EXIT:
                 self.first_exits.add(outcome.full_step_ms is None)
@@ -375,6 +399,7 @@ class Controller:
                     self.draft_step.add(ms)
                 if outcome.full_step_ms is not None:
                     self.full_step.add(outcome.full_step_ms)
+        self._after_batch = outcome.drafts > 0
         if not plan.explore:
             return 0.0
         # the explored choice (or length)'s new price against the best price it displaced: lost again, wait longer
@@ -417,7 +442,9 @@ class Controller:
         rounded = lambda cost: round(cost.value, 3) if cost.value is not None else None
         return {
             "plain_ms": rounded(self.plain),
-            "batch_ms": self.batch.snapshot(),
+            "batch_ms": self.batches[Choice.LOOKUP].snapshot(),
+            "exit_batch_ms": self.batches[Choice.EXIT].snapshot(),
+            "regraph_ms": rounded(self.regraph),
             "draft_step_ms": rounded(self.draft_step),
             "first_step_exits": rounded(self.first_exits),
             # the chance that a draft is accepted once those before it were: accepted / (accepted + rejections),

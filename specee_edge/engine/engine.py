@@ -436,7 +436,7 @@ class Engine:
         limit = self._round_limit(p, budget)
         lookup = lookup_drafts(self._history, token, limit, self.model.is_eog) if limit >= 1 else Continuation([], 0)
         plan = self.controller.plan(lookup_drafts=len(lookup.tokens), lookup_match=lookup.bucket,
-                                    exits=self._exits_draft(), limit=limit, greedy=draw.params.greedy)
+                                    exit_drafts=self._exit_drafts(), limit=limit, greedy=draw.params.greedy)
         t0 = time.perf_counter()
         draft_step_ms: list[float] = []
         full_step_ms = None
@@ -470,9 +470,10 @@ class Engine:
             cap = min(cap, self.policy.max_draft)
         return min(cap, self.ctx.n_batch - 1, self.ctx.n_ctx - p - 1, budget - 1)
 
-    def _exits_draft(self) -> bool:
-        """The pack's exits can draft: some layer can be checked (a level with every layer off drafts by lookup only)."""
-        return self.early_exit and not self.policy.idle
+    def _exit_drafts(self) -> int:
+        """The most drafts the pack's exits may give a round: the level's max_draft, the length its calibration
+        measured; 0 where no layer can be checked (a level with every layer off drafts by lookup only)."""
+        return self.policy.max_draft if self.early_exit and not self.policy.idle else 0
 
     def _exit_round(self, p: int, token: int, limit: int,
                     draw: Sampler) -> tuple[Round, list[TokenRecord], list[float]]:
@@ -499,7 +500,8 @@ class Engine:
                     or self.model.is_eog(drafts[-1])):
                 break
             feed = drafts[-1]
-        draft_step_ms = [s.forward_ms for s in steps if s.exit_layer is not None]
+        # every drafting step is charged, the last too where it ran every layer: the batch recomputes its cell
+        draft_step_ms = [s.forward_ms for s in steps]
         return *self._verify(Choice.EXIT, p, token, drafts, steps, draw), draft_step_ms
 
     def _verify(self, choice: Choice, p: int, token: int, drafts: list[int], steps: list[TokenRecord],
