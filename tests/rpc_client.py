@@ -5,6 +5,7 @@ as long as the process, and the test process goes on to load models that must no
     python -m tests.rpc_client kill PACK LAYERS HOST:PORT,...      waits for a line on stdin mid-reply
     python -m tests.rpc_client local_stop PACK LAYERS HOST:PORT,...  the replies a token stopped before the first
                                                                     remote layer waits for
+    python -m tests.rpc_client costs PACK LAYERS HOST:PORT,...     the cost lanes' parts on the split model (JSON)
 
 LAYERS is -ngl's count (llama.cpp's placement: the last layers on the workers), or first:N for SpecEE's (the
 first layers on the workers, --offload-first).
@@ -21,7 +22,7 @@ from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.errors import SpecEEError
 from specee_edge.pack import parse_quality
 from specee_edge.runtime import Model, placement, rpc
-from specee_edge.runtime.costs import CostLane, DraftSetup, checked_context
+from specee_edge.runtime.costs import CostLane, DraftSetup, checked_context, measure_costs
 
 QUESTIONS = ("Explain why the sky is blue.",)  # its answers exit on both sides of the split, flash attention on or off
 MODES = {"plain": None, "lossy": "0.9", "exact": "exact"}  # the shipped pack's 0.9 level; exact as the test adds it
@@ -128,7 +129,22 @@ def local_stop(pack: str, layers: str, endpoints: tuple[rpc.Endpoint, ...]) -> d
     return {"layer": layer, "exits": exits, "replies_per_token": used.count / len(tokens)}
 
 
+def costs(pack: str, layers: str, endpoints: tuple[rpc.Endpoint, ...]) -> dict:
+    """The cost lanes (runtime/costs.py) on the split model, one round: the parts, each side's and the crossing's."""
+    engine = Engine(pack=pack, config=EngineConfig(n_ctx=512, n_threads=THREADS))
+    prompt = engine.tokenize(engine.format_chat([{"role": "user", "content": QUESTIONS[0]}]))
+    tokens = engine.generate(prompt, max_tokens=TOKENS, sampling=GREEDY).tokens
+    mlp = engine.policy.predictors[max(engine.policy.predictors)]
+    setup = DraftSetup(engine.policy.draft.runtime_args(), (mlp.weights, mlp.biases))
+    k = engine.policy.k
+    engine.close()
+    use_workers(layers, endpoints)
+    measured = measure_costs(default_model_path(), setup, [(prompt + tokens, len(prompt))], n_threads=THREADS, k=k,
+                             rounds=1)
+    return measured.to_dict()
+
+
 if __name__ == "__main__":
     command, pack_path, layers, workers = sys.argv[1:5]
-    run = {"compare": compare, "kill": kill, "local_stop": local_stop}[command]
+    run = {"compare": compare, "kill": kill, "local_stop": local_stop, "costs": costs}[command]
     print(json.dumps(run(pack_path, layers, rpc.parse_endpoints(workers))), flush=True)

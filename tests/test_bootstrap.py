@@ -29,26 +29,29 @@ def test_an_interval_over_prompts_is_wider_than_one_over_tokens_where_prompts_di
 
 
 def lanes_timing(parts: dict[str, float], tokens: int, noise_ms: float, seed: int, rounds: int = 1,
-                 drift: float = 0.0) -> list[list[CostLane]]:
+                 drift: float = 0.0, split: int | None = None) -> list[list[CostLane]]:
     """Rounds of cost lanes (no context: their samples are made up) whose tokens cost what `parts` say, plus
-    noise; each round's parts are off by a random share of up to about `drift` (what changes between rounds)."""
+    noise; each round's parts are off by a random share of up to about `drift` (what changes between rounds).
+    `split`: the first layer on another device, whose layers and crossing cost what split_layer_ms and
+    crossing_ms say (parts without them: none)."""
     rng = np.random.default_rng(seed)
     n = N_LAYER
     callback = 0.07  # what a Python probe callback adds to a layer
     timed = []
     for _ in range(rounds):
-        p, f, l, mask, h, d, c, s, k, q = (parts[p] * (1 + drift * rng.normal()) for p in PARTS)
-        means = {"plain": (p, n), "checked_one": (f + n * l + n * n * q + h + d + c, n),
-                 "checked_all": (f + n * l + n * n * q + h + d + n * c, n), "draft": (d, n)}
-        for il in stop_layers(n):
+        p, f, l, mask, h, d, c, s, k, q, past_l, cross = (parts.get(p, 0.0) * (1 + drift * rng.normal()) for p in PARTS)
+        on_split = lambda x: past_l * max(x - split, 0) + cross * (x > split) if split is not None else 0.0
+        means = {"plain": (p, n), "checked_one": (f + n * l + n * n * q + on_split(n) + h + d + c, n),
+                 "checked_all": (f + n * l + n * n * q + on_split(n) + h + d + n * c, n), "draft": (d, n)}
+        for il in stop_layers(n, split):
             x = il + 1
-            means[f"stop_mask@{il}"] = (f + x * (l + mask) + x * x * q + d + c + s, x)
-            means[f"stop_fill@{il}"] = (f + x * l + x * x * q + d + c + s + (n - x) * k, x)
-            means[f"stop_free@{il}"] = (f + x * (l + mask + callback) + x * x * q + s, x)
-            means[f"stop_head@{il}"] = (f + x * (l + mask + callback) + x * x * q + s + h, x)
+            means[f"stop_mask@{il}"] = (f + x * (l + mask) + x * x * q + on_split(x) + d + c + s, x)
+            means[f"stop_fill@{il}"] = (f + x * l + x * x * q + on_split(x) + d + c + s + (n - x) * k, x)
+            means[f"stop_free@{il}"] = (f + x * (l + mask + callback) + x * x * q + on_split(x) + s, x)
+            means[f"stop_head@{il}"] = (f + x * (l + mask + callback) + x * x * q + on_split(x) + s + h, x)
         lanes = []
         for name, (mean, layers_run) in means.items():
-            lane = CostLane(name, ctx=None, layers_run=layers_run)
+            lane = CostLane(name, ctx=None, layers_run=layers_run, split=split if name == "plain" else None)
             lane.samples = list(mean + rng.normal(0, noise_ms, tokens)
                                 + rng.exponential(noise_ms, tokens) * (rng.random(tokens) < 0.05))
             lanes.append(lane)
@@ -71,6 +74,26 @@ def test_costs_are_recovered_within_their_intervals_and_never_clipped():
     fits = [TokenCosts.fit(lanes_timing(nothing, 100, 0.5, seed=seed)) for seed in range(12)]
     assert min(c.stop_ms for c in fits) < 0 < max(c.stop_ms for c in fits)
     assert sum(c.intervals["stop_ms"][0] < 0 < c.intervals["stop_ms"][1] for c in fits) >= 10
+
+
+def test_each_side_of_a_split_and_the_crossing_are_priced_apart():
+    """The first 5 layers on a fast device, the rest on the CPU at 0.4 ms more a layer, 0.3 ms to hand a token's
+    hidden state over: the stops on both sides recover both slopes and the step, and an exit before the split is
+    worth the slow layers and the crossing it skips. On one device the split's parts are none."""
+    split = 5
+    truth = TRUTH | {"layer_ms": 0.1, "split_layer_ms": 0.4, "crossing_ms": 0.3}
+    costs = TokenCosts.fit(lanes_timing(truth, 400, 0.05, seed=6, split=split))
+    assert costs.split == split and stop_layers(N_LAYER, split)[:2] == [2, 4] and split in stop_layers(N_LAYER, split)
+    for part in ("layer_ms", "split_layer_ms", "crossing_ms", "head_ms", "fixed_ms"):
+        assert getattr(costs, part) == pytest.approx(truth[part], abs=0.03), part
+        low, high = costs.intervals[part]
+        assert low <= getattr(costs, part) <= high
+    saved = costs.head_free_ms(np.array([split + 1])) - costs.head_free_ms(np.array([split]))
+    assert saved[0] == pytest.approx(0.1 + 0.4 + 0.3 + (2 * split + 1) * truth["curve_ms"], abs=0.05)
+    one_device = TokenCosts.fit(lanes_timing(TRUTH, 100, 0.05, seed=6))
+    assert one_device.split is None and one_device.split_layer_ms == one_device.crossing_ms == 0.0
+    # a side too short to stop on twice is priced with the other's layers
+    assert stop_layers(N_LAYER, N_LAYER - 2) == stop_layers(N_LAYER) == stop_layers(N_LAYER, 1)
 
 
 def test_the_depth_mask_and_the_fill_are_told_apart():
@@ -100,12 +123,12 @@ def test_an_interval_over_rounds_holds_what_changes_between_them():
 
 
 def coverage(rounds: int, measurements: int = 40) -> np.ndarray:
-    """Per part, the share of simulated measurements whose interval holds the true cost, where the parts
-    drift by 3 % between rounds (and barely from token to token)."""
-    held = np.zeros(len(PARTS))
+    """Per part (on one device: the split's parts are none), the share of simulated measurements whose interval
+    holds the true cost, where the parts drift by 3 % between rounds (and barely from token to token)."""
+    held = np.zeros(len(TRUTH))
     for seed in range(measurements):
         fit = TokenCosts.fit(lanes_timing(TRUTH, 40, 0.005, seed=seed, rounds=rounds, drift=0.03), seed)
-        held += [fit.intervals[part][0] <= TRUTH[part] <= fit.intervals[part][1] for part in PARTS]
+        held += [fit.intervals[part][0] <= TRUTH[part] <= fit.intervals[part][1] for part in TRUTH]
     return held / measurements
 
 

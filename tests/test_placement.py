@@ -12,7 +12,7 @@ import pytest
 
 from specee_edge.errors import SpecEEError
 from specee_edge.runtime import Context, Model
-from specee_edge.runtime.placement import (ALL_LAYERS, OFFLOAD_FIRST_KEY, Placement, describe_devices,
+from specee_edge.runtime.placement import (ALL_LAYERS, OFFLOAD_FIRST_KEY, Placement, describe_devices, first_crossing,
                                            parse_gpu_layers, parse_tensor_overrides, parse_tensor_split)
 from tests.conftest import supported_model_path
 from tests.test_runtime import TINY_PROMPT, greedy
@@ -106,3 +106,10 @@ def test_a_users_tensor_override_is_taken_as_given(tiny_dir):
     assert tokens[0] == tokens[1]
     with pytest.raises(SpecEEError, match="no buffer type CUDA7 here; there are .*CPU"):
         Model(path, placement=Placement(tensor_overrides=(("ffn_.*", "CUDA7"),)))
+
+
+def test_the_first_crossing_is_the_first_layer_on_another_device():
+    assert first_crossing(["CUDA0"] * 4 + ["CPU"] * 4 + ["CUDA0"]) == 4  # --offload-first: the output back on the GPU
+    assert first_crossing(["CPU"] * 6 + ["CUDA0"] * 2 + ["CUDA0"]) == 6  # stock -ngl 3
+    assert first_crossing(["CPU"] * 8 + ["CPU"]) is None
+    assert first_crossing(["CPU"] * 8 + ["CUDA0"]) is None  # only the output offloaded: no layer crosses

@@ -20,9 +20,11 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from specee_edge.errors import SpecEEError
+from specee_edge.runtime.costs import split_text
 from specee_edge.runtime import rpc
 from specee_edge.cli.chat import RPC_TIMEOUT_S
 from tests.conftest import SHIPPED_PACK
@@ -116,6 +118,22 @@ def test_spec_ees_placement_puts_the_first_layers_on_the_workers_and_answers_as_
     assert all(d == "CPU" for d in layers[on_workers:]), result["devices"]
     # exits after the workers' layers (the client's layers then never run), and after the client's
     assert any(il < on_workers for il in exits) and any(il >= on_workers for il in exits), exits
+
+
+def test_the_costs_price_each_side_of_the_first_layers_split(workers, exact_pack):  # noqa: F811
+    """The cost lanes on SpecEE's placement over the workers stop on both sides of the split, and the fit prices
+    the client's layers apart from the workers' and the crossing between them (the figures are printed: on
+    loopback both sides run the same CPU, so the crossing is what a worker's round trip costs)."""
+    one_worker = workers.split(",")[0]  # with two, the first crossing would be between them
+    proc = client("costs", exact_pack, one_worker, layers=f"first:{FIRST_LAYERS}")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    costs = json.loads(out.splitlines()[-1])
+    print(split_text(costs), f"; a layer {costs['layer_ms']:.3f} ms, a plain token {costs['plain_ms']:.2f} ms")
+    assert costs["split"] == FIRST_LAYERS - 1  # the first layer back on the client
+    for part in ("layer_ms", "split_layer_ms", "crossing_ms"):
+        low, high = costs["intervals"][part]
+        assert low <= costs[part] <= high and np.isfinite(costs[part]), part
 
 
 def test_a_stop_before_the_first_remote_layer_sends_the_workers_nothing(workers, exact_pack):  # noqa: F811

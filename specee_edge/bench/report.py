@@ -12,7 +12,7 @@ from rich import box
 from rich.console import Group
 from rich.table import Table
 
-from specee_edge.runtime.costs import TokenCosts
+from specee_edge.runtime.costs import TokenCosts, split_text
 
 # the "vanilla" lane: llama-cpp-python's Llama.eval one token at a time with specee-edge's draw (runner.VanillaLane),
 # not llama-cpp-python's own decoding loop (create_completion, generate): named for what it runs
@@ -303,6 +303,7 @@ class BenchResult:
                                if self.oracle_speedup else "- (no pack: nothing exits)"),
             ("costs (ms)", f"layer {c.layer_ms:.3f} ({c.mask_ms:+.3f} masked), head {c.head_ms:.2f}, draft {c.draft_ms:.3f}, "
                            f"check {c.check_ms:.3f}, fixed {c.fixed_ms:.2f}" if c else "-"),
+            *([("costs past the split", split_text(c.to_dict()))] if c and c.split is not None else []),
             ("ppl_full", f"{self.ppl_full:.2f} ({self.ppl_tokens} held-out tokens)"),
             ("repetition", ", ".join(f"{c} {r:.2f}" for c, r in self.repetition_by_category.items())
                            + f" (vanilla greedy's tokens in a repeated 4-gram); {self.looping_answers} of {self.prompts}"
@@ -405,6 +406,7 @@ class BenchResult:
         for m in lanes:
             table.add_column(self.lane(m), justify="right")
         both = lambda m, cell: " / ".join(cell(c) for c in (m.choices, m.sampled.exact if m.sampled else None) if c)
+        batches = lambda key: lambda m: ", ".join(f"{r}:{ms:.1f}" for r, ms in m.choices.controller.get(key, {}).items()) or "-"
         rows = [
             ("tokens from plain steps", lambda m: both(m, lambda c: f"{c.shares['plain']:.2f}")),
             ("... from lookup rounds", lambda m: both(m, lambda c: f"{c.shares['lookup']:.2f}")),
@@ -412,8 +414,9 @@ class BenchResult:
             ("mean drafts per batch", lambda m: both(m, lambda c: f"{c.mean_drafts:.2f}")),
             ("explorations (ms per token)", lambda m: both(m, lambda c: f"{c.explore_rounds} ({c.explore_ms_per_token:+.3f})")),
             ("measured: plain step ms", lambda m: fmt(m.choices.controller.get("plain_ms"))),
-            ("measured: batch ms by rows", lambda m: ", ".join(f"{r}:{ms:.1f}" for r, ms in
-                                                              m.choices.controller.get("batch_ms", {}).items()) or "-"),
+            ("measured: lookup batch ms by rows", batches("batch_ms")),
+            ("measured: exit batch ms by rows", batches("exit_batch_ms")),
+            ("measured: plain step after a batch, ms more", lambda m: fmt(m.choices.controller.get("regraph_ms"))),
             ("measured: exit-draft step ms", lambda m: fmt(m.choices.controller.get("draft_step_ms"))),
         ]
         for label, cell in rows:

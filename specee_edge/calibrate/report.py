@@ -12,6 +12,7 @@ from specee_edge.calibrate.exact import ExactReport
 from specee_edge.calibrate.levels import LevelChoice
 from specee_edge.exits import ExitKind
 from specee_edge.pack.format import QualityLevel
+from specee_edge.runtime.costs import split_text
 
 
 @dataclass
@@ -105,6 +106,7 @@ class CalibrationReport:
             ("a token, plain decoding", f"{plain:.2f} ms"),
             ("a layer / its depth mask / the LM head",
              f"{c['layer_ms']:.3f} / {c.get('mask_ms', 0.0):.3f} / {c['head_ms']:.3f} ms"),
+            *([("past the split", split_text(c))] if c.get("split") is not None else []),
             ("the draft (in the graph)", f"{c['draft_ms']:.3f} ms ({c['draft_ms'] / plain:.1%})"),
             ("a check / a stop / a fill", f"{c['check_ms'] * 1e3:.0f} / {c['stop_ms'] * 1e3:.0f} / {c['fill_ms'] * 1e3:.0f} us"),
             ("oracle exit layer (layers)", f"{self.oracle_avg_exit_layer:.2f} ({self.oracle_layer_speedup:.3f}x)"),

@@ -31,6 +31,15 @@ plain token), after 28 layers 0.52 ms more, and a parabola through the same thre
 two parabolas in the layers run that share that curvature: their slopes are L + M and L - K, and their
 intercepts differ by n K, which separates the three.
 
+A model split between two devices (-ngl with a GPU or RPC workers; --offload-first puts the first layers on the
+device) has layers that cost one thing on one side and another on the other, and a token that runs past the split
+hands its hidden state over once. Its stops are placed on both sides (the middle and last layer before the split,
+the first, middle and last stoppable one after it) and both stop lines get two more terms, shared: P' per layer
+run past the split beyond L (split_layer_ms) and X once a token crosses (crossing_ms). So an exit before the split
+is worth the other side's layers and the crossing it skips, whichever side is the slow one. A side with fewer than
+two stoppable layers is priced with the other's layers; on a model split further (several GPUs), only the first
+crossing is priced apart.
+
 A lane's time is the median of its tokens (one token slowed by the machine moves it little), and the
 lanes take their turns in a new random order at every token, so that no lane always runs first after the
 caches were cooled by another. A measurement is several rounds, each on a freshly loaded model and fresh
@@ -59,7 +68,7 @@ from specee_edge.bootstrap import RESAMPLES, resampled_rows
 from specee_edge.exits import ExitKind
 from specee_edge.runtime.context import Context
 from specee_edge.runtime.model import Model
-from specee_edge.runtime.placement import Placement
+from specee_edge.runtime.placement import Placement, first_crossing
 from specee_edge.runtime.rpc import Replies
 
 STOP_FRACTIONS = (0.25, 0.5, 0.75)
@@ -124,6 +133,7 @@ class CostLane:
     timing: Timing = field(default_factory=Timing)
     samples: list[float] = field(default_factory=list)  # ms of each timed token
     in_graph_draft: bool = False  # samples are the in-graph draft timer's, not the decode's wall time
+    split: int | None = None  # the plain lane: the first layer on another device (the stops are on both sides)
 
     def start(self, prompt: Sequence[int]) -> None:
         self.ctx.clear()
@@ -140,8 +150,20 @@ class CostLane:
         self.timing, self.samples = Timing(), []
 
 
-def stop_layers(n_layer: int) -> list[int]:
-    return sorted({max(0, round(n_layer * f) - 1) for f in STOP_FRACTIONS})
+def priced_split(split: int | None, n_layer: int) -> int | None:
+    """The first layer on another device (placement.first_crossing) where the costs can price its side apart: two
+    stops before it, two after it short of the last layer; else None (one side's few layers priced as the other's)."""
+    return split if split is not None and 2 <= split <= n_layer - 3 else None
+
+
+def stop_layers(n_layer: int, split: int | None = None) -> list[int]:
+    """The layers the stop lanes stop after: at a quarter, half and three quarters of the depth; with a split
+    (priced_split), the middle and the last layer before it, and its first, middle and last stoppable layer after
+    it, so that each side's line and the step at the crossing can be told apart."""
+    split = priced_split(split, n_layer)
+    if split is None:
+        return sorted({max(0, round(n_layer * f) - 1) for f in STOP_FRACTIONS})
+    return sorted({(split - 1) // 2, split - 1, split, (split + n_layer - 2) // 2, n_layer - 2})
 
 
 def lane_context(model: Model, *, n_ctx: int, n_threads: int, k: int, kv_mode: str | None,
@@ -169,8 +191,9 @@ def checked_context(model: Model, setup: DraftSetup, layers: list[int], *, thres
 
 def cost_lanes(model: Model, setup: DraftSetup, *, n_ctx: int, n_threads: int, k: int,
                flash_attn: str = "auto") -> list[CostLane]:
-    """The lanes of the module docstring, on fresh contexts."""
+    """The lanes of the module docstring, on fresh contexts; their stops on both sides of the model's split."""
     n_layer = model.info.n_layer
+    split = first_crossing(model.layer_devices())
 
     def context(kv_mode: str | None) -> Context:
         return lane_context(model, n_ctx=n_ctx, n_threads=n_threads, k=k, kv_mode=kv_mode, flash_attn=flash_attn)
@@ -191,11 +214,11 @@ def cost_lanes(model: Model, setup: DraftSetup, *, n_ctx: int, n_threads: int, k
         ctx.set_probe_callback(lambda il, cand_logits: kind)
         return ctx
 
-    lanes = [CostLane("plain", context(None), n_layer),
+    lanes = [CostLane("plain", context(None), n_layer, split=split),
              CostLane("checked_one", checked([n_layer - 1]), n_layer),
              CostLane("checked_all", checked(list(range(n_layer))), n_layer),
              CostLane("draft", timed_draft(), n_layer, in_graph_draft=True)]
-    for layer in stop_layers(n_layer):
+    for layer in stop_layers(n_layer, split):
         lanes += [CostLane(f"stop_mask@{layer}", checked([layer], threshold=-1.0), layer + 1),
                   CostLane(f"stop_fill@{layer}", checked([layer], threshold=-1.0, kv_mode="fill"), layer + 1),
                   CostLane(f"stop_free@{layer}", stopping(layer, ExitKind.HEAD_FREE), layer + 1),
@@ -204,36 +227,51 @@ def cost_lanes(model: Model, setup: DraftSetup, *, n_ctx: int, n_threads: int, k
 
 
 PARTS = ("plain_ms", "fixed_ms", "layer_ms", "mask_ms", "head_ms", "draft_ms", "check_ms", "stop_ms", "fill_ms",
-         "curve_ms")
+         "curve_ms", "split_layer_ms", "crossing_ms")
 
 
-def stop_curves(x: np.ndarray, mask: np.ndarray, fill: np.ndarray) -> tuple[np.ndarray, ...]:
+def split_terms(layers_run: np.ndarray, split: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """What a token that ran `layers_run` layers pays of a split at layer `split`: its layers past the split, and
+    whether it crossed (0 and False on one device)."""
+    layers_run = np.asarray(layers_run)
+    if split is None:
+        return np.zeros(layers_run.shape), np.zeros(layers_run.shape)
+    return np.maximum(layers_run - split, 0).astype(float), (layers_run > split).astype(float)
+
+
+def stop_curves(x: np.ndarray, mask: np.ndarray, fill: np.ndarray, split: int | None = None) -> tuple[np.ndarray, ...]:
     """Least squares of the mask and fill stops' times (points on the last axis, any leading axes) against the
-    layers run x, as two parabolas that share their curvature: each line's intercept and slope, then the
-    curvature (ms per layer squared)."""
+    layers run x, as two parabolas that share their curvature and, with a split, the same change of slope past it
+    and the same step where a token crosses it: each line's intercept and slope, the curvature (ms per layer
+    squared), then the change of slope and the step (0 without a split)."""
     zero, one = np.zeros_like(x), np.ones_like(x)
-    design = np.concatenate([np.stack([one, x, zero, zero, x * x], axis=-1),
-                             np.stack([zero, zero, one, x, x * x], axis=-1)])
+    past, crossed = split_terms(x, split)
+    design = np.concatenate([np.stack([one, x, zero, zero, x * x, past, crossed], axis=-1),
+                             np.stack([zero, zero, one, x, x * x, past, crossed], axis=-1)])
     coefficients = np.concatenate([mask, fill], axis=-1) @ np.linalg.pinv(design).T
     return tuple(np.moveaxis(coefficients, -1, 0))
 
 
-def fit_parts(ms: dict[str, np.ndarray], n_layer: int) -> np.ndarray:
+def fit_parts(ms: dict[str, np.ndarray], n_layer: int, split: int | None = None) -> np.ndarray:
     """The parts (PARTS order, on the last axis) from each lane's time; the lanes' times may carry leading
-    axes (one per bootstrap resample), and so does the result."""
-    layers = stop_layers(n_layer)
+    axes (one per bootstrap resample), and so does the result. `split`: the first layer on another device."""
+    split = priced_split(split, n_layer)
+    layers = stop_layers(n_layer, split)
     x = np.array(layers, dtype=float) + 1
-    at_0, masked_layer, fill_at_0, layer_less_fill, curve = stop_curves(
+    at_0, masked_layer, fill_at_0, layer_less_fill, curve, split_layer, crossing = stop_curves(
         x, np.stack([ms[f"stop_mask@{il}"] for il in layers], axis=-1),
-        np.stack([ms[f"stop_fill@{il}"] for il in layers], axis=-1))
+        np.stack([ms[f"stop_fill@{il}"] for il in layers], axis=-1), split)
     fill = (fill_at_0 - at_0) / n_layer
     layer = layer_less_fill + fill
     head = np.mean([ms[f"stop_head@{il}"] - ms[f"stop_free@{il}"] for il in layers], axis=0)
     check = (ms["checked_all"] - ms["checked_one"]) / (n_layer - 1)
     draft = ms["draft"]
-    fixed = ms["checked_one"] - n_layer * layer - n_layer**2 * curve - head - draft - check
+    past, crossed = split_terms(np.array(n_layer), split)
+    fixed = (ms["checked_one"] - n_layer * layer - n_layer**2 * curve - past * split_layer - crossed * crossing
+             - head - draft - check)
     stop = at_0 - fixed - draft - check
-    return np.stack([ms["plain"], fixed, layer, masked_layer - layer, head, draft, check, stop, fill, curve], axis=-1)
+    return np.stack([ms["plain"], fixed, layer, masked_layer - layer, head, draft, check, stop, fill, curve,
+                     split_layer, crossing], axis=-1)
 
 
 def resampled_tokens(rounds: int, tokens: int, seed: int) -> np.ndarray:
@@ -263,6 +301,9 @@ class TokenCosts:
     stop_ms: float
     fill_ms: float  # per skipped layer
     curve_ms: float  # per layer run, squared: each further layer costs more (fewer layers' weights stay in caches)
+    split_layer_ms: float = 0.0  # per layer run past the split, beyond layer_ms (the other device's layers)
+    crossing_ms: float = 0.0  # a token that runs past the split: its hidden state handed to the other device
+    split: int | None = None  # the first layer on another device than layer 0, where its side is priced apart
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)  # per part, 95%
     # per part but the plain token, 95%: what the decisions price, since a speed-up is a ratio of costs (a
     # machine that runs faster for a whole run moves the parts in ms together, and these far less)
@@ -272,19 +313,21 @@ class TokenCosts:
     @classmethod
     def fit(cls, rounds: Sequence[Sequence[CostLane]], seed: int = 0) -> TokenCosts:
         """From rounds of lanes that timed the same tokens (their samples are aligned token by token, and every
-        round timed as many)."""
-        n = next(lane.layers_run for lane in rounds[0] if lane.name == "plain")
+        round timed as many); the plain lane names the depth and the split the stops were placed for."""
+        plain = next(lane for lane in rounds[0] if lane.name == "plain")
+        n, split = plain.layers_run, priced_split(plain.split, plain.layers_run)
         by_name = [{lane.name: lane.samples for lane in lanes} for lanes in rounds]
         samples = {name: np.concatenate([round_[name] for round_ in by_name]) for name in by_name[0]}
-        parts = fit_parts({name: np.median(ms) for name, ms in samples.items()}, n)
+        parts = fit_parts({name: np.median(ms) for name, ms in samples.items()}, n, split)
         rows = resampled_tokens(len(rounds), len(rounds[0][0].samples), seed)
-        resampled = fit_parts({name: np.median(ms[rows], axis=-1) for name, ms in samples.items()}, n)
+        resampled = fit_parts({name: np.median(ms[rows], axis=-1) for name, ms in samples.items()}, n, split)
         low, high = np.percentile(resampled, [2.5, 97.5], axis=0)
         intervals = {part: (float(lo), float(hi)) for part, lo, hi in zip(PARTS, low, high)}
         plain = PARTS.index("plain_ms")
         low, high = np.percentile(resampled / resampled[:, plain:plain + 1], [2.5, 97.5], axis=0)
         share_intervals = {part: (float(lo), float(hi)) for part, lo, hi in zip(PARTS, low, high) if part != "plain_ms"}
-        return cls(n, *map(float, parts), intervals=intervals, share_intervals=share_intervals, resampled=resampled)
+        return cls(n, *map(float, parts), split=split, intervals=intervals, share_intervals=share_intervals,
+                   resampled=resampled)
 
     @property
     def parts(self) -> np.ndarray:
@@ -306,8 +349,9 @@ class TokenCosts:
         skipped = np.where(exited, self.n_layer - 1 - exit_layer, 0) if fill else np.zeros(len(exit_layer))
         layers_run = exit_layer + 1
         none, every = np.zeros(len(exit_layer)), np.ones(len(exit_layer))
+        past, crossed = split_terms(layers_run, self.split)
         return np.stack([none, every, layers_run, none if fill else layers_run, heads, every, np.asarray(checks),
-                         exited, skipped, layers_run**2], axis=-1).astype(float)
+                         exited, skipped, layers_run**2, past, crossed], axis=-1).astype(float)
 
     def token_ms(self, exit_layer: np.ndarray, kind: np.ndarray, checks: np.ndarray, rejections: np.ndarray,
                  *, fill: bool) -> np.ndarray:
@@ -332,8 +376,9 @@ class TokenCosts:
     def head_free_ms(self, depth: np.ndarray) -> np.ndarray:
         """A token that leaves after `depth` layers with no head and no other cost: the head-free oracle's."""
         depth = np.asarray(depth)
-        return (self.fixed_ms + depth * self.layer_ms + depth**2 * self.curve_ms
-                + np.where(depth < self.n_layer, self.stop_ms, 0.0))
+        past, crossed = split_terms(depth, self.split)
+        return (self.fixed_ms + depth * self.layer_ms + depth**2 * self.curve_ms + past * self.split_layer_ms
+                + crossed * self.crossing_ms + np.where(depth < self.n_layer, self.stop_ms, 0.0))
 
     def verified_ms(self, depth: np.ndarray) -> np.ndarray:
         """The same paying one head, as a verified exit (or the full path) does: the verified oracle's."""
@@ -341,6 +386,14 @@ class TokenCosts:
 
     def to_dict(self) -> dict:
         return {field_.name: getattr(self, field_.name) for field_ in fields(self) if field_.name != "resampled"}
+
+
+def split_text(costs: dict) -> str:
+    """The split's parts for people ("" on one device), from TokenCosts.to_dict() or a pack's stored costs."""
+    if costs.get("split") is None:
+        return ""
+    return (f"layers {costs['split']} and up: {costs['split_layer_ms']:+.3f} ms a layer beyond the first "
+            f"{costs['split']}'s, {costs['crossing_ms']:.3f} ms to cross to them")
 
 
 ROUNDS = 6

@@ -141,6 +141,14 @@ def describe_devices(devices: list[str]) -> str:
     return f"{', '.join(spans)}; the output on {output}"
 
 
+def first_crossing(devices: list[str]) -> int | None:
+    """The first repeating layer on another device than layer 0, from each layer's device then the output's
+    (Model.layer_devices()): where a token's hidden state crosses between devices; None on one device. A model
+    split over more devices crosses again later: the costs price only this first crossing apart."""
+    *layers, _output = devices
+    return next((il for il, device in enumerate(layers) if device != layers[0]), None)
+
+
 def parse_gpu_layers(value: str) -> int:
     """-ngl: a number, or all (auto and -1 too, as llama.cpp takes them)."""
     if value.strip().lower() in ("all", "auto", "-1"):
