@@ -231,15 +231,22 @@ def predictions(measured: ShapeCosts, pack: Pack) -> list[dict]:
 
 # --- output ---------------------------------------------------------------------------------------------------
 
+def split_cells(c: TokenCosts) -> tuple[str, str]:
+    """A layer past the split (from layer c.split on: the other device's) beyond `layer`, and the crossing."""
+    if c.split is None:
+        return "-", "-"
+    return f"{c.split}+: {c.split_layer_ms:+.4f}", f"{c.crossing_ms:.3f}"
+
+
 def cost_table(rows: list[ShapeCosts], where: str) -> Table:
     table = Table(title=f"the patched runtime on {where}: ms per step (random weights, real shapes)")
-    for column in ("model shape", "type", "GB", "plain", "layer", "LM head", "draft", "check", "stop",
-                   "stop+resume", *(f"batch {r}" for r in BATCH_ROWS)):
+    for column in ("model shape", "type", "GB", "plain", "layer", "past split", "crossing", "LM head", "draft",
+                   "check", "stop", "stop+resume", *(f"batch {r}" for r in BATCH_ROWS)):
         table.add_column(column, justify="left" if column == "model shape" else "right", no_wrap=True)
     for r in rows:
         c = r.costs
         table.add_row(f"{r.name} ({r.n_layer}L)", r.weight_type, f"{r.file_gb:.2f}", f"{c.plain_ms:.3f}",
-                      f"{c.layer_ms:.4f}", f"{c.head_ms:.3f}", f"{c.draft_ms:.3f}", f"{c.check_ms:.4f}",
+                      f"{c.layer_ms:.4f}", *split_cells(c), f"{c.head_ms:.3f}", f"{c.draft_ms:.3f}", f"{c.check_ms:.4f}",
                       f"{c.stop_ms:.3f}", f"{r.resume_ms:.3f}", *(f"{r.batch_ms[n]:.3f}" for n in BATCH_ROWS))
     return table
 
