@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from specee_edge.bench.quality import NEAR_TIE, divergence_margins
+from specee_edge.bench.quality import NEAR_TIE, batched_replay, divergence_margins
 from specee_edge.engine import GREEDY, Engine, EngineConfig, SamplingParams
 from specee_edge.engine.controller import Choice, ExitPrior, Outcome
 from specee_edge.engine.records import GenerationStats, Round, TokenRecord, TokenSource
@@ -532,3 +532,21 @@ def test_switching_to_the_exact_level_reads_its_exit_prior(default_model, tmp_pa
         assert engine.controller.exit_prior == ExitPrior()
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("lane", ["engine", "auto_engine"])
+def test_greedy_exact_mode_is_llama_cpps_own_batched_evaluation_token_for_token(lane, request):
+    """Defined against llama.cpp itself: replaying an answer's rounds on a plain context (each single step alone,
+    each verification batch as one batch of its rows, rejected rows dropped) gives exactly the answer's tokens:
+    nothing the drafting steps, probes or rollbacks left in the cache changes a token."""
+    engine: Engine = request.getfixturevalue(lane)
+    plain = Context(engine.model, n_ctx=engine.ctx.n_ctx, n_threads=2)
+    try:
+        for question in QUESTIONS:
+            prompt = prompt_of(engine, question)
+            records = list(engine.stream(prompt, max_tokens=64, sampling=GREEDY))
+            engine.reset()
+            assert any(r.round is not None and r.round.rows for r in records)  # some rows were verified in a batch
+            assert batched_replay(plain, prompt, records) == [r.id for r in records], question
+    finally:
+        plain.close()

@@ -82,6 +82,32 @@ def divergence_margins(ctx: Context, prompts: Sequence[Sequence[int]], reference
     return margins
 
 
+def batched_replay(ctx: Context, prompt: Sequence[int], records: Sequence[TokenRecord]) -> list[int]:
+    """llama.cpp's greedy tokens along an exact-mode answer (records, the first from the prompt), evaluated as its
+    rounds evaluated them, on `ctx` (a plain context: early exit off): each token decoded alone where the answer
+    decoded it alone, each verification batch as one batch of the same rows, its rejected rows dropped after.
+    Batches and single steps run other kernels, so these can differ from decoding every token alone (near-ties
+    flip); greedy exact mode must give exactly these, whatever its drafts, probes and rollbacks did."""
+    ctx.clear()
+    ctx.decode(list(prompt))
+    tokens = [int(np.argmax(ctx.logits()))]
+    i = 1
+    while i < len(records):
+        round_ = records[i].round
+        if round_ is None or not round_.rows:  # one token decoded alone (a plain step, or an exit round's first)
+            ctx.decode([records[i - 1].id])
+            tokens.append(int(np.argmax(ctx.logits())))
+            i += 1
+            continue
+        emitted = next((j for j in range(i, len(records)) if records[j].round is not round_), len(records)) - i
+        start = ctx.n_past
+        ctx.decode(list(round_.rows), output_all=True)
+        tokens += [int(np.argmax(ctx.logits(row))) for row in range(emitted)]
+        ctx.truncate(start + emitted)
+        i += emitted
+    return tokens
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):

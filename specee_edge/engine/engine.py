@@ -550,7 +550,8 @@ class Engine:
             if keeps_draft:
                 self.ctx.draft_from_row(len(records) - 1)
         accepted = sum(r.source == TokenSource.ACCEPTED for r in records)
-        return Round(choice, drafts=len(drafts), accepted=accepted, emitted=len(records), batch_ms=(t1 - t0) * 1e3), records
+        return Round(choice, drafts=len(drafts), accepted=accepted, emitted=len(records), batch_ms=(t1 - t0) * 1e3,
+                     rows=tuple(batch)), records
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Generation:
         records = list(self.stream(prompt, **kwargs))

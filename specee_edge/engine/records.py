@@ -32,6 +32,7 @@ class Round:
     batch_ms: float = 0.0      # its verification batch's llama_decode (the rows' sampling is in their records)
     explored: bool = False     # taken to measure that choice again (controller.py)
     explore_ms: float = 0.0    # ... what that cost beyond the choice it displaced
+    rows: tuple[int, ...] = () # its verification batch's tokens: the last emitted token, then the drafts
 
 
 @dataclass
