@@ -30,7 +30,7 @@ $(EDIT_STAMP): pyproject.toml | runtime
 	@touch $@
 
 test: setup
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 tests $(PYTEST_ARGS)
 
 # llama.cpp's llama-server from the runtime's vendored llama.cpp, cached (the bench's baseline; about 30 min on
 # 2 cores, once). `make test` runs tests/test_llama_server.py's server tests only where it is built.
