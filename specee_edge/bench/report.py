@@ -288,7 +288,9 @@ class BenchResult:
         table = Table(title="decode speed against llama.cpp", box=box.SIMPLE_HEAD, caption=caption)
         for name in ("lane", "tok/s greedy", "speed-up greedy", "tok/s sampled", "speed-up sampled",
                      "accepted / drafted (greedy; sampled)"):
-            table.add_column(name, justify="left" if name == "lane" else "right")
+            # a speed-up's interval, [0.98-1.11], on its own line: the column keeps it whole
+            table.add_column(name, justify="left" if name == "lane" else "right",
+                             min_width=11 if name.startswith("speed-up") else None)
         for name, lane in self.tools.items():
             drafts = (f"{lane.accepted} / {lane.drafted}; {lane.accepted_sampled} / {lane.drafted_sampled}"
                       if lane.drafted or lane.drafted_sampled else "-")
@@ -452,7 +454,7 @@ class BenchResult:
                       caption="speed-ups with their 95% interval, bootstrapped over the category's prompts")
         table.add_column("", style="bold")
         for c in categories:
-            table.add_column(c, justify="right")
+            table.add_column(c, justify="right", min_width=11)
         for m in lanes:
             label = self.lane(m)
             table.add_row(f"{label}: speed-up", *(speedup_pair(m, c) for c in categories))
@@ -460,7 +462,7 @@ class BenchResult:
                               ("verify_cost", "batch / vanilla step")):
                 table.add_row(f"  {name}", *(category_pair(m, c, key) for c in categories))
         if self.peer and self.peer.speedup_by_category:
-            table.add_row("peer: speed-up", *(" / ".join(category_ratio(result, c) for result in (self.peer, self.peer_sampled)
+            table.add_row("peer: speed-up", *(" /\n".join(category_ratio(result, c) for result in (self.peer, self.peer_sampled)
                                                          if result) for c in categories))
         for key, name in (("acceptance_rate", "acceptance"), ("tokens_per_round", "tokens per round"),
                           ("speedup_at_unit_batch", "speed-up at 1-step batches")):
@@ -518,7 +520,7 @@ def category_ratio(result: ModeResult | SampledResult, category: str) -> str:
 
 
 def speedup_pair(m: ModeResult, category: str) -> str:
-    return " / ".join(category_ratio(result, category) for result in (m, m.sampled) if result is not None)
+    return " /\n".join(category_ratio(result, category) for result in (m, m.sampled) if result is not None)
 
 
 def category_pair(m: ModeResult, category: str, key: str) -> str:
