@@ -33,3 +33,22 @@ def ratio_interval(numerator: np.ndarray, denominator: np.ndarray, seed: int = 0
     numerator, denominator = np.asarray(numerator, dtype=float), np.asarray(denominator, dtype=float)
     return interval(lambda rows: numerator[rows].sum(-1) / np.maximum(denominator[rows].sum(-1), 1e-12),
                     len(numerator), seed)
+
+
+def speedup_interval(lane: np.ndarray, base: np.ndarray, seed: int = 0) -> tuple[float, float]:
+    """95% interval of a lane's speed over a baseline's: (the lane's steps / its seconds) over (the baseline's
+    steps / its seconds), each summed over the prompts, the same prompts resampled for both (paired). lane, base:
+    one (steps, seconds) row per prompt, as Timing.by_prompt holds them. A resample in which either decoded nothing
+    has no ratio and is left out."""
+    lane, base = (np.asarray(x, dtype=float).reshape(-1, 2) for x in (lane, base))
+
+    def tok_s(timing: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        steps, seconds = timing[rows, 0].sum(-1), timing[rows, 1].sum(-1)
+        return np.divide(steps, seconds, out=np.full(steps.shape, np.nan), where=seconds > 0)
+
+    def ratio(rows: np.ndarray) -> np.ndarray:
+        base_tok_s = tok_s(base, rows)
+        return np.divide(tok_s(lane, rows), base_tok_s, out=np.full(base_tok_s.shape, np.nan), where=base_tok_s > 0)
+
+    low, high = np.nanpercentile(ratio(resampled_rows(len(lane), seed)), [2.5, 97.5])
+    return float(low), float(high)

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from specee_edge.bench.quality import repetition
 from specee_edge.bench.report import LLAMA_CPP_PYTHON
-from specee_edge.bench.run import NO_PACK, bench_qualities, pick_prompts
-from specee_edge.bench.runner import VanillaLane
+from specee_edge.bench.run import NO_PACK, EngineSpec, bench_qualities, pick_prompts
+from specee_edge.bench.runner import ContextLane, VanillaLane
 from specee_edge.data.prompts import Prompt, bench_prompts
 from specee_edge.cli import app
 from specee_edge.engine import DEFAULT_KV_MODE, GREEDY, Engine, EngineConfig, GenerationStats
@@ -60,15 +60,19 @@ def two_level_pack(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def sweep_run(tmp_path_factory, two_level_pack) -> tuple[dict, Path, str]:
-    """`--quality all` on a two-level pack: one SpecEE lane per level in one interleaved run."""
+def sweep_run(tmp_path_factory, two_level_pack) -> tuple[dict, Path, str, list[str]]:
+    """`--quality all` on a two-level pack: one SpecEE lane per level in one run; and each engine the run loaded."""
     out = tmp_path_factory.mktemp("sweep")
     args = ["bench", "--pack", str(two_level_pack), "--quality", "all", "-p", str(PROMPTS), "-n", str(TOKENS),
             "-t", "2", "--ppl-tokens", "32", "--no-llama-server", "--json", str(out / "sweep.json"),
             "--plot", str(out / "sweep.png")]
-    result = CliRunner().invoke(app, args)
+    loaded: list[str] = []
+    load = EngineSpec.load
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EngineSpec, "load", lambda spec, model: loaded.append(spec.name) or load(spec, model))
+        result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    return json.loads((out / "sweep.json").read_text()), out / "sweep.png", result.output
+    return json.loads((out / "sweep.json").read_text()), out / "sweep.png", result.output, loaded
 
 
 def test_json_has_every_documented_key(bench_run):
@@ -104,6 +108,39 @@ def test_values_are_sane(bench_run):
     assert len(data["repetition_by_category"]) == PROMPTS and 0 <= data["looping_answers"] <= PROMPTS
     assert all(0 <= r <= 1 for r in data["repetition_by_category"].values())
     assert (data["speedup_no_loop"] is None) == (data["looping_answers"] == PROMPTS)
+
+
+def within(value: float, interval: list[float]) -> bool:
+    low, high = interval
+    return low - 1e-9 <= value <= high + 1e-9
+
+
+def test_every_lane_answers_whole_in_a_shuffled_order_and_every_speedup_has_its_interval(bench_run):
+    data, _, output = bench_run
+    level = "exact" if data["exact"] else f"{data['quality']:g}"
+    lanes = {LLAMA_CPP_PYTHON, ContextLane.name, f"specee-edge {DEFAULT_KV_MODE}@{level}", f"specee-edge {NO_PACK}"}
+    order = data["lane_order"]
+    assert order["seed"] == 0 and order["sampled"] is None  # --greedy-only
+    assert len(order["greedy"]) == PROMPTS and all(set(names) == lanes and len(names) == len(lanes)
+                                                   for names in order["greedy"])
+    # the bare Context control lane: our runtime's plain step and draw, the Llama.eval lane's answers
+    bare = data["tools"][ContextLane.name]
+    assert bare["tok_s"] > 0 and bare["identical"] == 1.0
+    for lane in (data, *data["modes"].values(), *data["tools"].values()):
+        assert within(lane["speedup"], lane["speedup_interval"])
+        assert set(lane["speedup_by_category_interval"]) == set(lane["speedup_by_category"])
+        # a category of one prompt (each, here) has no interval
+        assert all(interval is None for interval in lane["speedup_by_category_interval"].values())
+    # against itself, the baseline's interval is 1 (--no-llama-server: the Llama.eval lane)
+    assert data["tools"][LLAMA_CPP_PYTHON]["speedup_interval"] == [1.0, 1.0]
+    assert "95% interval" in " ".join(output.split())
+
+
+def test_the_sampled_pass_loads_fresh_engines(sweep_run):
+    """Its controllers start cold, as the greedy pass's did: each lane's engine is loaded once per pass."""
+    data, _, _, loaded = sweep_run
+    assert len(loaded) == 2 * len(data["modes"])
+    assert sorted(loaded[: len(data["modes"])]) == sorted(loaded[len(data["modes"]):])
 
 
 def test_repetition_counts_tokens_inside_a_repeated_4_gram():
@@ -144,7 +181,7 @@ def test_terminal_report_and_plot(bench_run):
 
 
 def test_quality_sweep_has_a_lane_per_level(sweep_run, two_level_pack):
-    data, _, _ = sweep_run
+    data, _, _, _ = sweep_run
     _, per_mode = documented_keys()
     lanes = {f"{DEFAULT_KV_MODE}@{LOOSE:g}": LOOSE, f"{DEFAULT_KV_MODE}@{STRICT:g}": STRICT,
              f"{DEFAULT_KV_MODE}@exact": EXACT_QUALITY}
@@ -199,7 +236,7 @@ def test_quality_sweep_has_a_lane_per_level(sweep_run, two_level_pack):
 
 
 def test_quality_sweep_table_and_plot(sweep_run):
-    _, plot, output = sweep_run
+    _, plot, output, _ = sweep_run
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = output[output.index("speed and quality"):]
     rows = [line.split()[0] for line in table.splitlines()[:16] if line.strip()]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specee_edge.bootstrap import ratio_interval
+from specee_edge.bootstrap import ratio_interval, speedup_interval
 from specee_edge.pack.format import QualityLevel
 from specee_edge.runtime.costs import PARTS, ROUNDS, CostLane, TokenCosts, stop_layers
 from tests.conftest import load_tool
@@ -210,3 +210,37 @@ def test_comparing_two_packs_names_a_level_on_in_one_run_only_with_the_speed_ups
     assert compared.flipped == ["0.98: on in the second run (1.015x, low end 1.001), off in the other (no exits)"]
     again = tool.level_table([first, first], exact)
     assert again.same_on_off and again.flipped == []
+
+
+def timings(rng: np.random.Generator, n: int, ms: float, spread: float) -> np.ndarray:
+    """n prompts of 60-90 steps at about `ms` a step, each prompt off by a random share of up to about `spread`."""
+    steps = rng.integers(60, 90, n).astype(float)
+    return np.stack([steps, steps * ms / 1e3 * (1 + spread * rng.normal(size=n))], axis=1)
+
+
+def test_a_speedup_interval_holds_its_point_and_narrows_with_more_prompts():
+    rng = np.random.default_rng(3)
+    widths = []
+    for n in (4, 16, 64):
+        base, lane = timings(rng, n, 8.0, 0.05), timings(rng, n, 8.4, 0.05)
+        point = (lane[:, 0].sum() / lane[:, 1].sum()) / (base[:, 0].sum() / base[:, 1].sum())
+        low, high = speedup_interval(lane, base)
+        assert low <= point <= high
+        widths.append(high - low)
+    assert widths[0] > widths[1] > widths[2]
+
+
+def test_a_lane_against_itself_is_one_and_a_constant_ratio_has_no_width():
+    base = timings(np.random.default_rng(4), 12, 8.0, 0.1)
+    assert speedup_interval(base, base) == (1.0, 1.0)
+    twice_as_fast = base * [1, 0.5]
+    assert speedup_interval(twice_as_fast, base) == pytest.approx((2.0, 2.0))
+
+
+def test_a_speedup_interval_is_paired_over_prompts():
+    """Prompts of very different lengths and speeds, the lane 5 % faster on each: pairing the prompts keeps the
+    interval near 1.05 however much the prompts differ from one another."""
+    base = np.array([[10, 0.2], [90, 0.6], [40, 0.9], [70, 0.3], [20, 0.5], [60, 0.4]], dtype=float)
+    lane = base * [1, 1 / 1.05] * np.array([[1.0], [0.99], [1.01], [1.0], [0.995], [1.005]]) ** [0, 1]
+    low, high = speedup_interval(lane, base)
+    assert 1.03 < low <= high < 1.07

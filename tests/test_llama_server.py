@@ -10,6 +10,7 @@ import re
 import subprocess
 import tarfile
 
+import numpy as np
 import pytest
 from llama_cpp import Llama
 from typer.testing import CliRunner
@@ -20,7 +21,7 @@ from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, ENV_BINARY, PLAI
                                             has_terminal, parse_spec_types)
 from specee_edge.bench.report import LLAMA_CPP_PYTHON
 from specee_edge.bench.run import baseline_notes
-from specee_edge.bench.runner import PeerLane, VanillaLane, run_interleaved
+from specee_edge.bench.runner import ContextLane, PeerLane, VanillaLane, run_lanes
 from specee_edge.cli import app
 from specee_edge.default_model import default_model_path
 from specee_edge.engine import GREEDY
@@ -75,12 +76,12 @@ def test_a_lane_that_raises_is_dropped_and_the_others_finish(tiny_dir):
     vanilla = VanillaLane(llm, tokens, lambda t: False)
     peer = PeerLane(model, 64, 1, tokens, lambda t: False)
     try:
-        failed = run_interleaved([prompt] * 2, vanilla, [peer], [])
+        failed = run_lanes([prompt] * 2, [vanilla, peer], np.random.default_rng(0)).failed
     finally:
         peer.close()
         llm.close()
-    assert list(failed) == [0] and "\n" not in failed[0]
-    assert failed[0].startswith("ValueError: could not broadcast"), failed[0]
+    assert list(failed) == [1] and "\n" not in failed[1]
+    assert failed[1].startswith("ValueError: could not broadcast"), failed[1]
     assert [len(answer) for answer in vanilla.outputs] == [tokens, tokens]  # the other lane answered both prompts
 
 
@@ -137,9 +138,9 @@ def test_an_unbuilt_llama_server_says_how_to_build_or_skip_it(monkeypatch):
 class FailingVanilla:
     """A vanilla lane whose Llama breaks on the prompt (as llama-cpp-python's eval can)."""
 
-    max_tokens = TOKENS
+    name = LLAMA_CPP_PYTHON
 
-    def start(self, prompt):
+    def answer(self, prompt, watch):
         raise ValueError("could not broadcast input array\nfrom shape (101,) into shape (64,)")
 
 
@@ -147,7 +148,7 @@ def test_a_vanilla_lane_that_raises_ends_the_run_with_one_line():
     """Vanilla is the reference every lane is compared with: its failure is not a dropped lane but the run's end,
     in one line (it was a traceback)."""
     with pytest.raises(SpecEEError) as error:
-        run_interleaved([[0, 1, 2]], FailingVanilla(), [], [])
+        run_lanes([[0, 1, 2]], [FailingVanilla()], np.random.default_rng(0))
     assert str(error.value) == (f"the vanilla lane ({LLAMA_CPP_PYTHON}, every lane's reference) failed: "
                                 "ValueError: could not broadcast input array")
 
@@ -160,7 +161,7 @@ def test_prompt_lookup_lane_takes_a_prompt_longer_than_its_batch(tiny_dir):
     vanilla = VanillaLane(llm, TOKENS, lambda t: False)
     peer = PeerLane(model, 1024, 1, TOKENS, lambda t: False)
     try:
-        assert run_interleaved([[0] + [10, 11, 12, 13] * 150], vanilla, [peer], []) == {}
+        assert run_lanes([[0] + [10, 11, 12, 13] * 150], [vanilla, peer], np.random.default_rng(0)).failed == {}
     finally:
         peer.close()
         llm.close()
@@ -190,7 +191,7 @@ def test_plain_server_answers_as_llama_does(setup):
     vanilla = VanillaLane(llm, TOKENS, lambda t: t == llm.token_eos())
     with LlamaServer(setup) as server:
         lane = ServerLane(PLAIN, server, TOKENS, GREEDY)
-        assert run_interleaved(prompts, vanilla, [lane], []) == {}
+        assert run_lanes(prompts, [vanilla, lane], np.random.default_rng(0)).failed == {}
     llm.close()
     assert server.proc.poll() is not None  # stopped on leaving the block
     assert lane.outputs == vanilla.outputs
@@ -225,7 +226,7 @@ def test_bench_against_llama_server(binary, tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["baseline"] == data["baseline_sampled"] == PLAIN
-    assert set(data["tools"]) == {PLAIN, "ngram-mod", LLAMA_CPP_PYTHON}
+    assert set(data["tools"]) == {PLAIN, "ngram-mod", LLAMA_CPP_PYTHON, ContextLane.name}
     for lane in data["tools"].values():
         assert lane["tok_s"] > 0 and lane["tok_s_sampled"] > 0
     plain = data["tools"][PLAIN]
@@ -233,4 +234,10 @@ def test_bench_against_llama_server(binary, tmp_path):
     assert data["speedup"] == pytest.approx(data["specee_tok_s"] / plain["tok_s"])
     assert data["tools"][LLAMA_CPP_PYTHON]["speedup"] == pytest.approx(data["vanilla_tok_s"] / plain["tok_s"])
     assert len(data["dropped"]) == 1 and data["dropped"][0].startswith("draft: llama-server exited")
+    # every lane, the servers too, answered each prompt whole in its turn; each ratio has its interval
+    for order in (*data["lane_order"]["greedy"], *data["lane_order"]["sampled"]):
+        assert sorted(order) == sorted([PLAIN, "ngram-mod", LLAMA_CPP_PYTHON, ContextLane.name, "specee-edge fill@exact"])
+    low, high = data["tools"]["ngram-mod"]["speedup_interval"]
+    assert low <= data["tools"]["ngram-mod"]["speedup"] <= high
+    assert plain["speedup_interval"] == plain["speedup_sampled_interval"] == [1.0, 1.0]
     assert "decode speed against llama.cpp" in result.output

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specee_edge.bench.runner import prompt_sampling
+from specee_edge.bench.runner import Stopwatch, prompt_sampling
 from specee_edge.engine.sampling import GREEDY, SamplingParams
 from specee_edge.errors import SpecEEError
 from specee_edge.runtime.costs import Timing
@@ -241,8 +241,8 @@ class LlamaServer:
 
 @dataclass
 class ServerLane:
-    """A llama-server lane for run_interleaved: start() decodes the whole answer in one request (the lanes still
-    take turns prompt by prompt); step() has nothing left to do. The prompt's sampling is the bench's."""
+    """A llama-server lane: answer() decodes the whole answer in one request, timed by the server's own timings
+    (`watch`, the Python lanes' stopwatch, has nothing to time). The prompt's sampling is the bench's."""
 
     name: str
     server: LlamaServer
@@ -253,16 +253,10 @@ class ServerLane:
     drafted: int = 0
     accepted: int = 0
 
-    def start(self, prompt: Sequence[int]) -> None:
+    def answer(self, prompt: Sequence[int], watch: Stopwatch) -> None:
         self.timing.begin_prompt()
         done = self.server.complete(prompt, self.max_tokens, prompt_sampling(self.sampling, len(self.outputs)))
         self.outputs.append(done.tokens)
         self.timing.add_span(done.steps, done.seconds)
         self.drafted += done.drafted
         self.accepted += done.accepted
-
-    def step(self) -> bool:
-        return False
-
-    def end(self) -> None:
-        pass

@@ -47,6 +47,10 @@ class SampledResult:
     speedup_by_category: dict[str, float] = field(default_factory=dict)
     exact: ExactChoices | None = None     # exact mode: what its controller chose
     round_trips: RoundTrips | None = None  # with --rpc: what its sampled steps waited for from the workers
+    # 95% intervals of the speed-ups, bootstrapped over the prompts (those of the category, those that do not loop)
+    speedup_interval: tuple[float, float] | None = None
+    speedup_no_loop_interval: tuple[float, float] | None = None
+    speedup_by_category_interval: dict[str, tuple[float, float] | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -65,6 +69,11 @@ class ToolLane:
     accepted_sampled: int = 0
     speedup_by_category: dict[str, float] = field(default_factory=dict)
     speedup_by_category_sampled: dict[str, float] = field(default_factory=dict)
+    # 95% intervals of the speed-ups, bootstrapped over the prompts (those of the category)
+    speedup_interval: tuple[float, float] | None = None
+    speedup_sampled_interval: tuple[float, float] | None = None
+    speedup_by_category_interval: dict[str, tuple[float, float] | None] = field(default_factory=dict)
+    speedup_by_category_sampled_interval: dict[str, tuple[float, float] | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -135,6 +144,10 @@ class ModeResult:
     choices: ExactChoices | None = None  # exact mode, greedy
     pack: bool = True                 # False: the engine without a pack (exact mode drafting by prompt lookup only)
     round_trips: RoundTrips | None = None  # with --rpc
+    # 95% intervals of the greedy speed-ups, bootstrapped over the prompts (all, those that do not loop, a category's)
+    speedup_interval: tuple[float, float] | None = None
+    speedup_no_loop_interval: tuple[float, float] | None = None
+    speedup_by_category_interval: dict[str, tuple[float, float] | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -181,6 +194,9 @@ class BenchResult:
     tools: dict[str, ToolLane] = field(default_factory=dict)  # llama-server's lanes and the Llama.eval lane
     dropped: list[str] = field(default_factory=list)  # lanes that failed (to build, start or decode), a line each
     notes: list[str] = field(default_factory=list)    # what those failures changed (the baseline moved), a line each
+    # the lanes' order, shuffled per prompt: {seed, greedy, sampled (None with --greedy-only)}, each a list per prompt
+    # of lane names in the order they answered
+    lane_order: dict = field(default_factory=dict)
 
     @property
     def vanilla_speedup(self) -> float:
@@ -267,23 +283,30 @@ class BenchResult:
         caption = f"speed-ups against {self.baseline}"
         if sampled and self.baseline_sampled != self.baseline:
             caption += f" (sampled: against {self.baseline_sampled})"
+        caption += (f"; [95% interval, bootstrapped over the {self.prompts} prompts]; every lane timed alike: whole "
+                    "answers, decoding only, the lanes in a shuffled order per prompt, each fresh in each pass")
         table = Table(title="decode speed against llama.cpp", box=box.SIMPLE_HEAD, caption=caption)
         for name in ("lane", "tok/s greedy", "speed-up greedy", "tok/s sampled", "speed-up sampled",
                      "accepted / drafted (greedy; sampled)"):
-            table.add_column(name, justify="left" if name == "lane" else "right")
+            # a speed-up's interval, [0.98-1.11], on its own line: the column keeps it whole
+            table.add_column(name, justify="left" if name == "lane" else "right",
+                             min_width=11 if name.startswith("speed-up") else None)
         for name, lane in self.tools.items():
             drafts = (f"{lane.accepted} / {lane.drafted}; {lane.accepted_sampled} / {lane.drafted_sampled}"
                       if lane.drafted or lane.drafted_sampled else "-")
-            table.add_row(name, f"{lane.tok_s:.1f}", f"{lane.speedup:.3f}x", fmt_tok_s(lane.tok_s_sampled),
-                          f"{lane.speedup_sampled:.3f}x" if lane.speedup_sampled else "-", drafts)
+            table.add_row(name, f"{lane.tok_s:.1f}", ratio(lane.speedup, lane.speedup_interval),
+                          fmt_tok_s(lane.tok_s_sampled), ratio(lane.speedup_sampled, lane.speedup_sampled_interval),
+                          drafts)
         if self.peer:
-            table.add_row("peer (llama-cpp-python prompt lookup)", "-", f"{self.peer.speedup:.3f}x", "-",
-                          f"{self.peer_sampled.speedup:.3f}x" if self.peer_sampled else "-", "-")
+            sampled_peer = self.peer_sampled
+            table.add_row("peer (llama-cpp-python prompt lookup)", "-", ratio(self.peer.speedup, self.peer.speedup_interval),
+                          "-", ratio(sampled_peer.speedup, sampled_peer.speedup_interval) if sampled_peer else "-", "-")
         base_sampled = self.baseline_sampled_tok_s
         for m in self.modes:
             tok_s_sampled = m.sampled.speedup * base_sampled if m.sampled and base_sampled else None
-            table.add_row(f"specee-edge {self.level_label(m)}", f"{m.specee_tok_s:.1f}", f"{m.speedup:.3f}x",
-                          fmt_tok_s(tok_s_sampled), f"{m.sampled.speedup:.3f}x" if m.sampled else "-", "-")
+            table.add_row(f"specee-edge {self.level_label(m)}", f"{m.specee_tok_s:.1f}",
+                          ratio(m.speedup, m.speedup_interval), fmt_tok_s(tok_s_sampled),
+                          ratio(m.sampled.speedup, m.sampled.speedup_interval) if m.sampled else "-", "-")
         return table
 
     def _run(self) -> Table:
@@ -430,10 +453,11 @@ class BenchResult:
         categories = sorted(self.lookup_replay)
         if not lanes or not categories:
             return ""
-        table = Table(title="exact mode by category (greedy / sampled)")
+        table = Table(title="exact mode by category (greedy / sampled)",
+                      caption="speed-ups with their 95% interval, bootstrapped over the category's prompts")
         table.add_column("", style="bold")
         for c in categories:
-            table.add_column(c, justify="right")
+            table.add_column(c, justify="right", min_width=11)
         for m in lanes:
             label = self.lane(m)
             table.add_row(f"{label}: speed-up", *(speedup_pair(m, c) for c in categories))
@@ -441,10 +465,8 @@ class BenchResult:
                               ("verify_cost", "batch / vanilla step")):
                 table.add_row(f"  {name}", *(category_pair(m, c, key) for c in categories))
         if self.peer and self.peer.speedup_by_category:
-            table.add_row("peer: speed-up", *(f"{self.peer.speedup_by_category.get(c, 0):.3f}x / "
-                                              f"{self.peer_sampled.speedup_by_category.get(c, 0):.3f}x"
-                                              if self.peer_sampled else f"{self.peer.speedup_by_category.get(c, 0):.3f}x"
-                                              for c in categories))
+            table.add_row("peer: speed-up", *(" /\n".join(category_ratio(result, c) for result in (self.peer, self.peer_sampled)
+                                                         if result) for c in categories))
         for key, name in (("acceptance_rate", "acceptance"), ("tokens_per_round", "tokens per round"),
                           ("speedup_at_unit_batch", "speed-up at 1-step batches")):
             table.add_row(f"lookup replay: {name}", *(
@@ -484,10 +506,24 @@ def fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def ratio(value: float | None, interval: tuple[float, float] | None, sep: str = "\n") -> str:
+    """A speed-up and its 95% interval, below it (an 80-column table keeps its width): 1.046x [0.98-1.11]."""
+    if value is None:
+        return "-"
+    return f"{value:.3f}x" + (f"{sep}[{interval[0]:.2f}-{interval[1]:.2f}]" if interval else "")
+
+
+def category_ratio(result: ModeResult | SampledResult, category: str) -> str:
+    """A category's speed-up with its interval; `(1 prompt)` where the category has a single prompt (no interval)."""
+    value = result.speedup_by_category.get(category)
+    if value is None:
+        return "-"
+    interval = result.speedup_by_category_interval.get(category)
+    return ratio(value, interval) if interval else f"{value:.3f}x\n(1 prompt)"
+
+
 def speedup_pair(m: ModeResult, category: str) -> str:
-    greedy = m.speedup_by_category.get(category)
-    sampled = m.sampled.speedup_by_category.get(category) if m.sampled else None
-    return " / ".join(f"{v:.3f}x" for v in (greedy, sampled) if v is not None) or "-"
+    return " /\n".join(category_ratio(result, category) for result in (m, m.sampled) if result is not None)
 
 
 def category_pair(m: ModeResult, category: str, key: str) -> str:

@@ -1,4 +1,5 @@
-"""One bench run: interleaved decoding, then the oracle, then quality; the result for report.py."""
+"""One bench run: the decoding passes (every lane a whole answer at a time, in a shuffled order), the cost lanes,
+the oracle, then quality; the result for report.py."""
 
 from __future__ import annotations
 
@@ -22,14 +23,15 @@ from specee_edge.bench.report import (LLAMA_CPP_PYTHON, TIME_PARTS, BenchResult,
                                       SampledResult)
 from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, DRAFT, PLAIN, LlamaServer, LlamaServerError, ServerLane,
                                             ServerSetup, lane_args)
-from specee_edge.bench.runner import Lane, PeerLane, SpecEELane, VanillaLane, run_interleaved
+from specee_edge.bench.runner import ContextLane, Lane, PeerLane, SpecEELane, VanillaLane, feed, run_lanes
+from specee_edge.bootstrap import speedup_interval
 from specee_edge.data.prompts import Prompt, bench_prompts, heldout_text
 from specee_edge.engine import AUTO, DEFAULT_KV_MODE, Engine, EngineConfig, GenerationStats, TokenRecord
-from specee_edge.engine.sampling import SamplingParams
+from specee_edge.engine.sampling import GREEDY, SamplingParams
 from specee_edge.engine.exit import find_pack
 from specee_edge.errors import SpecEEError
 from specee_edge.pack import EXACT_QUALITY, Pack, parse_quality, read_pack
-from specee_edge.runtime import Context, placement, rpc
+from specee_edge.runtime import Context, Model, placement, rpc
 from specee_edge.runtime.costs import DraftSetup, Timing, TokenCosts, cost_lanes
 from specee_edge.runtime.weights import TargetWeights
 from specee_edge.threads import default_threads
@@ -116,21 +118,32 @@ def bench_qualities(spec: str | None, pack: Pack) -> list[float | None]:
     return sorted({pack.level(q).quality for q in asked})
 
 
-def load_engines(config: BenchConfig, qualities: Sequence[float | None]) -> list[tuple[str, Engine]]:
+@dataclass(frozen=True)
+class EngineSpec:
+    """One SpecEE lane's engine, loaded afresh for each decoding pass (a cold controller in each)."""
+
+    name: str                         # the KV mode, `MODE/python`, or NO_PACK
+    pack: str | Path | None
+    config: EngineConfig
+
+    def load(self, model: Path) -> Engine:
+        return Engine(model, pack=self.pack, config=self.config)
+
+
+def engine_specs(config: BenchConfig, qualities: Sequence[float | None]) -> list[EngineSpec]:
     """An engine per lane: each KV mode at each quality level natively, and as `MODE/python` with the
     Python policy if asked; as users run them (the draft's share of a step comes from the cost lanes)."""
-    engines = []
+    specs = []
     for mode in config.kv_modes if qualities else ():
         for quality in qualities:
             for native in (True, False) if config.python_policy else (True,):
-                engine = Engine(config.model, pack=config.pack, config=EngineConfig(
+                specs.append(EngineSpec(mode if native else f"{mode}/python", config.pack, EngineConfig(
                     n_ctx=ENGINE_CTX, n_threads=config.threads, flash_attn=config.flash_attn, kv_mode=mode,
-                    quality=quality, threshold=config.threshold, native=native))
-                engines.append((mode if native else f"{mode}/python", engine))
+                    quality=quality, threshold=config.threshold, native=native)))
     if config.lookup_lane or not qualities:
-        engines.append((NO_PACK, Engine(config.model, pack=None, config=EngineConfig(
-            n_ctx=ENGINE_CTX, n_threads=config.threads, flash_attn=config.flash_attn))))
-    return engines
+        specs.append(EngineSpec(NO_PACK, None, EngineConfig(n_ctx=ENGINE_CTX, n_threads=config.threads,
+                                                            flash_attn=config.flash_attn)))
+    return specs
 
 
 def draft_setup(engine: Engine) -> DraftSetup:
@@ -146,79 +159,142 @@ def prompt_tokens(engine: Engine, prompts: Sequence[Prompt]) -> list[list[int]]:
 def run_bench(config: BenchConfig, reporter: Reporter = Silent()) -> BenchResult:
     # numpy's BLAS single-threaded (the draft head, the oracle's capture), except in the logit lens:
     # idle BLAS workers spin and fight llama.cpp's threads for the cores (up to 100x slower decoding)
-    with threadpool_limits(limits=1, user_api="blas"), ExitStack() as servers:
-        return _run_bench(config, reporter, servers)
+    with threadpool_limits(limits=1, user_api="blas"):
+        return _run_bench(config, reporter)
 
 
-def open_servers(config: BenchConfig, stack: ExitStack, dropped: list[str]) -> dict[str, LlamaServer]:
-    """A llama-server per lane (plain first, then each --spec-type, then -md DRAFT), stopped when `stack` closes
-    (success, error or Ctrl+C); a lane whose server does not start is a line in `dropped`."""
+def server_names(config: BenchConfig) -> list[str]:
+    """The llama-server lanes asked for: plain first, then each --spec-type, then -md DRAFT."""
     if config.llama_server is None:
-        return {}
+        return []
+    return [PLAIN, *config.spec_types, *([DRAFT] if config.draft_model else [])]
+
+
+def open_servers(config: BenchConfig, names: Sequence[str], stack: ExitStack, dropped: list[str],
+                 suffix: str = "") -> dict[str, LlamaServer]:
+    """A fresh llama-server per lane named, stopped when `stack` closes (success, error or Ctrl+C); a lane whose
+    server does not start is a line in `dropped` (its name, then `suffix`)."""
     setup = ServerSetup(config.llama_server, config.model, config.threads, ENGINE_CTX, config.flash_attn,
-                        placement=placement.default())
+                        placement=placement.default()) if names else None
     servers = {}
-    for name in [PLAIN, *config.spec_types, *([DRAFT] if config.draft_model else [])]:
+    for name in names:
         try:
             servers[name] = stack.enter_context(LlamaServer(setup, lane_args(name, config.draft_model)))
         except LlamaServerError as e:
-            dropped.append(f"{name}: {e}")
+            dropped.append(f"{name}{suffix}: {e}")
     return servers
 
 
-def lane_label(lane: Lane) -> str:
-    """A lane's name in a dropped-lane line."""
-    if isinstance(lane, SpecEELane):
-        policy = lane.engine.policy
-        return f"specee-edge {lane.kv_mode}" + (f"@{policy.quality:g}" if policy and policy.quality is not None else "")
-    if isinstance(lane, PeerLane):
-        return "peer (llama-cpp-python prompt lookup)"
-    return lane.name
-
-
-def measure_costs(config: BenchConfig, prompts: Sequence[Sequence[int]], llm: Llama, engine: Engine, seq_ctx: int,
-                  reporter: Reporter) -> TokenCosts:
-    """The cost lanes, fed vanilla's greedy tokens, in a pass of their own: the speed lanes step as a user's decoding
-    would, without 16 more contexts evicting their caches between steps (in a micro-benchmark, 10 other contexts in
-    turns made a step of the default model 3.7 % dearer than alone; llama-server answers whole prompts)."""
+def measure_costs(config: BenchConfig, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
+                  engine: Engine, seq_ctx: int, reporter: Reporter) -> TokenCosts:
+    """The cost lanes, fed vanilla's greedy answers, in a pass of their own: the speed lanes decode as a user's
+    decoding would, without 16 more contexts evicting their caches between steps (in a micro-benchmark, 10 other
+    contexts in turns made a step of the default model 3.7 % dearer than alone)."""
     lanes = cost_lanes(engine.model, draft_setup(engine), n_ctx=seq_ctx, n_threads=config.threads, k=engine.policy.k,
                        flash_attn=config.flash_attn)
     try:
-        run_interleaved(prompts, VanillaLane(llm, config.tokens, engine.model.is_eog), [], lanes,
-                        reporter.task("costs", len(prompts) * (config.tokens - 1)), workers=engine.model.workers)
+        feed(prompts, answers, lanes, reporter.task("costs", sum(len(answer) - 1 for answer in answers)))
         return TokenCosts.fit([lanes])
     finally:
         for lane in lanes:
             lane.ctx.close()
 
 
-def run_dropping(prompts, vanilla: VanillaLane, lanes: Sequence[Lane], fed, advance, dropped: list[str], what: str, *,
-                 workers: tuple[rpc.Endpoint, ...]) -> set[int]:
-    """run_interleaved; the lanes that failed become lines in `dropped`; returns their ids (id(lane)). workers: the
-    model's RPC workers, whose replies each lane's steps count (every pass names them: none is left uncounted)."""
-    failed = run_interleaved(prompts, vanilla, lanes, fed, advance, workers=workers)
-    dropped.extend(f"{lane_label(lanes[i])}, {what}: {message}" for i, message in failed.items())
-    return {id(lanes[i]) for i in failed}
+@dataclass
+class DecodePass:
+    """One decoding pass (greedy or sampled) once every lane answered: each lane was fresh for it (a new Llama, a
+    new Context, new engines, a new peer, new servers); the dropped ones are left out."""
+
+    vanilla: VanillaLane
+    context: ContextLane | None
+    specee: dict[int, SpecEELane]     # by the engine's index in the run's list
+    peer: PeerLane | None
+    servers: dict[str, ServerLane]
+    order: list[list[str]]            # per prompt, the lanes by name in the order they answered
+
+    @property
+    def plain(self) -> ServerLane | None:
+        return self.servers.get(PLAIN)
+
+    @property
+    def base(self) -> Timing:
+        """Every speed-up's baseline: llama-server plain, else the Llama.eval lane."""
+        return self.plain.timing if self.plain else self.vanilla.timing
+
+    @property
+    def baseline(self) -> str:
+        return PLAIN if self.plain else LLAMA_CPP_PYTHON
+
+
+def decode_pass(config: BenchConfig, prompts: Sequence[Sequence[int]], model: Model,
+                engines: dict[int, tuple[str, Engine]], names: Sequence[str], with_peer: bool, sampling: SamplingParams, rng: np.random.Generator,
+                dropped: list[str], what: str, reporter: Reporter) -> DecodePass:
+    """Every lane answers every prompt whole, the lanes in an order shuffled per prompt (runner.run_lanes): vanilla
+    (Llama.eval, its context the engines' size: attention over a larger cache costs more), the bare Context, an
+    engine's lane each, the peer (with_peer) and a llama-server per name. A lane that fails is a line in `dropped`."""
+    suffix = f", {what}"
+    llm = Llama(model_path=str(config.model), n_ctx=ENGINE_CTX, n_threads=config.threads,
+                n_threads_batch=config.threads, verbose=False, **llama_kwargs(config))
+    ctx = Context(model, n_ctx=ENGINE_CTX, n_threads=config.threads, flash_attn=config.flash_attn)
+    vanilla = VanillaLane(llm, config.tokens, model.is_eog, sampling)
+    context = ContextLane(ctx, config.tokens, model.is_eog, sampling)
+    specee = {i: SpecEELane(mode, engine, config.tokens, sampling) for i, (mode, engine) in engines.items()}
+    peer = peer_lane(config, model.is_eog, sampling) if with_peer else None
+    try:
+        with ExitStack() as stack:
+            servers = open_servers(config, names, stack, dropped, suffix if what != "greedy" else "")
+            server_lanes = [ServerLane(name, server, config.tokens, sampling) for name, server in servers.items()]
+            lanes: list[Lane] = [vanilla, context, *specee.values(), *([peer] if peer else []), *server_lanes]
+            log = run_lanes(prompts, lanes, rng, reporter.task(f"decoding, {what}", len(prompts) * len(lanes)),
+                            workers=model.workers)
+    finally:
+        llm.close()
+        ctx.close()
+        if peer is not None:
+            peer.close()
+    dropped.extend(f"{lanes[i].name}{suffix}: {message}" for i, message in log.failed.items())
+    gone = {id(lanes[i]) for i in log.failed}
+    return DecodePass(vanilla=vanilla, context=None if id(context) in gone else context,
+                      specee={i: lane for i, lane in specee.items() if id(lane) not in gone},
+                      peer=None if peer is None or id(peer) in gone else peer,
+                      servers={lane.name: lane for lane in server_lanes if id(lane) not in gone},
+                      order=[[lanes[i].name for i in order] for order in log.order])
 
 
 def tool_lane(lane: Lane, vanilla: VanillaLane, base: Timing, categories: Sequence[str], sampled: Lane | None,
               vanilla_sampled: VanillaLane | None, base_sampled: Timing | None) -> ToolLane:
-    """Another tool's lane (llama-server, llama-cpp-python's Llama.eval) against the baseline, greedy and sampled."""
+    """Another tool's lane (llama-server, llama-cpp-python's Llama.eval) or the bare Context against the baseline,
+    greedy and sampled."""
     greedy = lane_speed(lane, vanilla, categories, base)
     result = ToolLane(tok_s=lane.timing.tok_s, speedup=greedy.speedup, identical=greedy.identical,
                       drafted=getattr(lane, "drafted", 0), accepted=getattr(lane, "accepted", 0),
-                      speedup_by_category=greedy.speedup_by_category)
+                      speedup_by_category=greedy.speedup_by_category, speedup_interval=greedy.speedup_interval,
+                      speedup_by_category_interval=greedy.speedup_by_category_interval)
     if sampled is not None and vanilla_sampled is not None and base_sampled is not None:
         other = lane_speed(sampled, vanilla_sampled, categories, base_sampled)
         result.tok_s_sampled = sampled.timing.tok_s
         result.speedup_sampled = other.speedup
+        result.speedup_sampled_interval = other.speedup_interval
         result.drafted_sampled = getattr(sampled, "drafted", 0)
         result.accepted_sampled = getattr(sampled, "accepted", 0)
         result.speedup_by_category_sampled = other.speedup_by_category
+        result.speedup_by_category_sampled_interval = other.speedup_by_category_interval
     return result
 
 
-def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> BenchResult:
+def tool_lanes(greedy: DecodePass, sampled: DecodePass | None, categories: Sequence[str]) -> dict[str, ToolLane]:
+    """llama-server's lanes, the Llama.eval lane and the bare Context, by name, each greedy and sampled."""
+    lanes: list[Lane] = [*greedy.servers.values(), greedy.vanilla, *([greedy.context] if greedy.context else [])]
+    others: dict[str, Lane] = {}
+    if sampled is not None:
+        others = {lane.name: lane for lane in [*sampled.servers.values(), sampled.vanilla,
+                                               *([sampled.context] if sampled.context else [])]}
+    return {lane.name: tool_lane(lane, greedy.vanilla, greedy.base, categories, others.get(lane.name),
+                                 sampled.vanilla if sampled else None, sampled.base if sampled else None)
+            for lane in lanes}
+
+
+def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     start = time.perf_counter()
     if config.tokens < 2:
         raise SpecEEError("--tokens must be at least 2 (the first token comes from the prompt pass)")
@@ -226,7 +302,8 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
     if pack is None:  # the lanes that need none: exact mode drafting by prompt lookup, vanilla, the peer
         check_without_pack(config)
     default_level = pack.level() if pack else None
-    engines = load_engines(config, bench_qualities(config.quality, pack) if pack else [])
+    specs = engine_specs(config, bench_qualities(config.quality, pack) if pack else [])
+    engines = {i: (spec.name, spec.load(config.model)) for i, spec in enumerate(specs)}
     first = engines[0][1]
     model, n_layer, k = first.model, first.n_layer, first.policy.k if pack else 0
     selected = pick_prompts(bench_prompts(config.prompt_set), config.num_prompts)
@@ -236,80 +313,50 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
         raise SpecEEError(f"a prompt and its answer ({seq_ctx} tokens) must fit {ENGINE_CTX}: lower --tokens")
     heldout = first.tokenize(heldout_text())[: min(config.ppl_tokens or ENGINE_CTX, ENGINE_CTX)]
     dropped = list(config.dropped)
-    server_stack = stack.enter_context(ExitStack())  # closed once the decoding passes are over
-    servers = open_servers(config, server_stack, dropped)
+    order = np.random.default_rng(config.seed)  # the lanes' order, shuffled per prompt in both passes
 
-    # 1. speed: vanilla, SpecEE per KV mode and quality level and the peer token by token in turns, the servers
-    # prompt by prompt; vanilla's context is the engines' size (attention over a larger cache costs more)
-    llm = Llama(model_path=str(config.model), n_ctx=ENGINE_CTX, n_threads=config.threads,
-                n_threads_batch=config.threads, verbose=False, **llama_kwargs(config))
-    vanilla = VanillaLane(llm, config.tokens, model.is_eog)
-    lanes = [SpecEELane(mode, engine, config.tokens) for mode, engine in engines]
-    peer = peer_lane(config, model.is_eog) if config.peer else None
-    server_lanes = [ServerLane(name, server, config.tokens) for name, server in servers.items()]
-    gone = run_dropping(prompts, vanilla, [*lanes, *([peer] if peer else []), *server_lanes], [],
-                        reporter.task("decoding, greedy", len(prompts) * (config.tokens - 1)), dropped, "greedy",
-                        workers=model.workers)
-    for (_, engine), lane in zip(engines, lanes):
-        if id(lane) in gone and engine is not first:  # the oracle and perplexity still read the first engine
+    # 1. speed: every lane a whole answer at a time, in a shuffled order per prompt, greedy
+    greedy = decode_pass(config, prompts, model, engines, server_names(config), config.peer, GREEDY, order, dropped, "greedy",
+                         reporter)
+    # the oracle and perplexity still read the first engine
+    kept = [engine for i, (_, engine) in engines.items() if i in greedy.specee or engine is first]
+    for _, engine in engines.values():
+        if engine not in kept:
             engine.close()
-    engines = [pair for pair, lane in zip(engines, lanes) if id(lane) not in gone]
-    lanes = [lane for lane in lanes if id(lane) not in gone]
-    if not lanes:
+    if not greedy.specee:
         raise SpecEEError("every specee-edge lane failed: " + "; ".join(dropped))
-    if peer is not None and id(peer) in gone:
-        peer.close()
-        peer = None
-    server_lanes = [lane for lane in server_lanes if id(lane) not in gone]
-    # every speed-up is against llama-server plain; against the Llama.eval lane where that one did not run
-    plain = next((lane for lane in server_lanes if lane.name == PLAIN), None)
-    base = plain.timing if plain else vanilla.timing
+    lanes = list(greedy.specee.values())
+    vanilla, base = greedy.vanilla, greedy.base
     where = model.placement_text()  # read now: the engines, and their models, are closed before the report
     if model.placement.tensor_overrides:  # llama-cpp-python 0.3.36's Llama has no way to pass them
         where += " (not in the llama-cpp-python lanes: Llama cannot take -ot)"
     categories = [p.category for p in selected]
-    greedy_choices = [exact_choices(lane, vanilla, categories) for lane in lanes]
-    costs = measure_costs(config, prompts, llm, first, seq_ctx, reporter) if pack else None
+    greedy_choices = {i: exact_choices(lane, vanilla, categories) for i, lane in greedy.specee.items()}
+    costs = measure_costs(config, prompts, vanilla.outputs, first, seq_ctx, reporter) if pack else None
 
-    # 1b. the same lanes with chat's default sampling: every lane draws from one seed per prompt
+    # 1b. the same lanes, each fresh (new engines: their controllers start cold, as in the greedy pass), with chat's
+    # default sampling: every lane draws from one seed per prompt
     sampled: dict[int, SampledResult] = {}
-    peer_sampled = None
-    vanilla_sampled = None
-    servers_sampled: dict[str, ServerLane] = {}
-    base_sampled = None
-    plain_sampled = None
+    second = None
     if config.sampled:
-        sampling = SamplingParams(seed=config.seed)
-        vanilla_sampled = VanillaLane(llm, config.tokens, model.is_eog, sampling)
-        sampled_lanes = [SpecEELane(mode, engine, config.tokens, sampling) for mode, engine in engines]
-        peer_sampled = peer_lane(config, model.is_eog, sampling) if peer is not None else None
-        server_sampled = [ServerLane(lane.name, lane.server, config.tokens, sampling) for lane in server_lanes]
-        gone = run_dropping(prompts, vanilla_sampled, [*sampled_lanes, *([peer_sampled] if peer_sampled else []),
-                                                       *server_sampled], [],
-                            reporter.task("decoding, sampled", len(prompts) * (config.tokens - 1)), dropped, "sampled",
-                            workers=model.workers)
-        plain_sampled = server_sampled[server_lanes.index(plain)] if plain else None
-        if plain_sampled is None or id(plain_sampled) in gone:
-            plain_sampled = None
-        base_sampled = plain_sampled.timing if plain_sampled else vanilla_sampled.timing
-        sampled = {i: sampled_result(lane, vanilla_sampled, categories, base_sampled, bool(model.workers))
-                   for i, lane in enumerate(sampled_lanes) if id(lane) not in gone}
-        servers_sampled = {lane.name: lane for lane in server_sampled if id(lane) not in gone}
-        if peer_sampled is not None and id(peer_sampled) in gone:
-            peer_sampled.close()
-            peer_sampled = None
+        fresh = {i: (specs[i].name, specs[i].load(config.model)) for i in greedy.specee}
+        try:
+            second = decode_pass(config, prompts, model, fresh, list(greedy.servers), greedy.peer is not None,
+                                 SamplingParams(seed=config.seed),
+                                 order, dropped, "sampled", reporter)
+            sampled = {i: sampled_result(lane, second.vanilla, categories, second.base, bool(model.workers))
+                       for i, lane in second.specee.items()}
+        finally:
+            for _, engine in fresh.values():
+                engine.close()
+    vanilla_sampled = second.vanilla if second else None
     rpc_result = rpc_report(model.workers, vanilla, vanilla_sampled) if model.workers else None
-    server_stack.close()
-    llm.close()
-    for lane in (peer, peer_sampled):
-        if lane is not None:
-            lane.close()
-    tools = {lane.name: tool_lane(lane, vanilla, base, categories, servers_sampled.get(lane.name), vanilla_sampled,
-                                  base_sampled) for lane in server_lanes}
-    tools[LLAMA_CPP_PYTHON] = tool_lane(vanilla, vanilla, base, categories, vanilla_sampled, vanilla_sampled, base_sampled)
-
-    baseline = PLAIN if plain else LLAMA_CPP_PYTHON
-    baseline_sampled = (PLAIN if plain_sampled else LLAMA_CPP_PYTHON) if vanilla_sampled else None
+    tools = tool_lanes(greedy, second, categories)
+    baseline = greedy.baseline
+    baseline_sampled = second.baseline if second else None
+    base_sampled = second.base if second else None
+    peer, peer_sampled = greedy.peer, second.peer if second else None
+    lane_order = {"seed": config.seed, "greedy": greedy.order, "sampled": second.order if second else None}
 
     # 2. the oracles along vanilla's outputs (they price exits, which a pack holds)
     oracle = None
@@ -335,7 +382,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
                     ppl=perplexity(lane.engine, heldout, early_exit=not lane.engine.exact, advance=advance),
                     margins=divergence_margins(reference, prompts, vanilla.outputs, lane.outputs),
                     sampled=sampled.get(i), choices=greedy_choices[i])
-        for i, lane in enumerate(lanes)
+        for i, lane in greedy.specee.items()
     ]
     reference.close()
     # the replay drafts as the first engine does (its pack's lookup length, its model's ends of generation): before
@@ -343,7 +390,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
     replay = lambda outputs: replay_by_category(prompts, outputs, categories, first.model.is_eog, first.lookup_max_n)
     lookup_replay = replay(vanilla.outputs)
     lookup_replay_sampled = replay(vanilla_sampled.outputs) if vanilla_sampled else {}
-    for _, engine in engines:
+    for engine in kept:
         engine.close()
     return BenchResult(
         model=config.model.name, pack=first.pack_path.name if pack else NO_PACK, n_layer=n_layer, threads=config.threads,
@@ -366,6 +413,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter, stack: ExitStack) -> Ben
         looping_answers_sampled=sum(share >= LOOP_SHARE for share in repeated_sampled),
         lookup_replay=lookup_replay, lookup_replay_sampled=lookup_replay_sampled,
         seconds=time.perf_counter() - start, command=config.command, rpc=rpc_result, placement=where,
+        lane_order=lane_order,
     )
 
 
@@ -394,10 +442,14 @@ def lane_speed(lane: Lane, vanilla: VanillaLane, categories: Sequence[str], base
     identical to vanilla's (same prompts and seeds); no_loop: the prompts whose vanilla answer does not loop, for
     the speed-up on them alone."""
     identical = [output == reference for output, reference in zip(lane.outputs, vanilla.outputs)]
-    speedup = lane.timing.tok_s / base.tok_s if base.tok_s else 0.0
-    return SampledResult(speedup=speedup, identical=float(np.mean(identical)) if identical else 0.0,
-                         speedup_no_loop=speedup_on(lane, base, no_loop) if no_loop is not None else None,
-                         speedup_by_category=speedup_by_category(lane, base, categories))
+    every = range(len(categories))
+    return SampledResult(speedup=lane.timing.tok_s / base.tok_s if base.tok_s else 0.0,
+                         identical=float(np.mean(identical)) if identical else 0.0,
+                         speedup_no_loop=speedup_on(lane.timing, base, no_loop) if no_loop is not None else None,
+                         speedup_by_category=speedup_by_category(lane.timing, base, categories),
+                         speedup_interval=interval_on(lane.timing, base, every),
+                         speedup_no_loop_interval=interval_on(lane.timing, base, no_loop) if no_loop is not None else None,
+                         speedup_by_category_interval=interval_by_category(lane.timing, base, categories))
 
 
 def in_category(categories: Sequence[str]) -> dict[str, list[int]]:
@@ -405,8 +457,15 @@ def in_category(categories: Sequence[str]) -> dict[str, list[int]]:
     return {c: [i for i, cat in enumerate(categories) if cat == c] for c in sorted(set(categories))}
 
 
-def speedup_by_category(lane: Lane, base: Timing, categories: Sequence[str]) -> dict[str, float]:
+def speedup_by_category(lane: Timing, base: Timing, categories: Sequence[str]) -> dict[str, float]:
     return {c: speedup_on(lane, base, prompts) or 0.0 for c, prompts in in_category(categories).items()}
+
+
+def interval_by_category(lane: Timing, base: Timing,
+                         categories: Sequence[str]) -> dict[str, tuple[float, float] | None]:
+    """Each category's speed-up interval, bootstrapped over that category's prompts alone (two prompts: about the
+    range between their own speed-ups; None for a category of one prompt)."""
+    return {c: interval_on(lane, base, prompts) for c, prompts in in_category(categories).items()}
 
 
 def decode_stats(records: Sequence[Sequence[TokenRecord]], n_layer: int) -> GenerationStats:
@@ -438,10 +497,17 @@ def exact_choices(lane: SpecEELane, vanilla: VanillaLane, categories: Sequence[s
                         controller=lane.engine.controller.snapshot(), by_category=by_category)
 
 
-def speedup_on(lane: Lane, base: Timing, prompts: Sequence[int]) -> float | None:
+def speedup_on(lane: Timing, base: Timing, prompts: Sequence[int]) -> float | None:
     """The speed-up over the baseline on the given prompts only (None when there are none)."""
     base_tok_s = base.tok_s_on(prompts)
-    return lane.timing.tok_s_on(prompts) / base_tok_s if prompts and base_tok_s else None
+    return lane.tok_s_on(prompts) / base_tok_s if prompts and base_tok_s else None
+
+
+def interval_on(lane: Timing, base: Timing, prompts: Sequence[int]) -> tuple[float, float] | None:
+    """speedup_on's 95% interval, bootstrapped over the same prompts (None for fewer than two: no interval)."""
+    if len(prompts) < 2:
+        return None
+    return speedup_interval([lane.by_prompt[i] for i in prompts], [base.by_prompt[i] for i in prompts])
 
 
 def sampled_result(lane: SpecEELane, vanilla: VanillaLane, categories: Sequence[str], base: Timing,
@@ -480,7 +546,9 @@ def mode_result(lane: SpecEELane, vanilla: VanillaLane, base: Timing, oracle: Or
     level = policy.level if policy and policy.threshold is None else None
     return ModeResult(
         kv_mode=lane.kv_mode, quality=policy.quality if policy else EXACT_QUALITY, steps=lane.timing.steps,
-        specee_tok_s=lane.timing.tok_s, speedup=speedup, speedup_no_loop=speedup_on(lane, base, no_loop),
+        specee_tok_s=lane.timing.tok_s, speedup=speedup, speedup_no_loop=speedup_on(lane.timing, base, no_loop),
+        speedup_interval=interval_on(lane.timing, base, range(len(categories))),
+        speedup_no_loop_interval=interval_on(lane.timing, base, no_loop),
         gain_captured=(over_vanilla - 1) / headroom if headroom > 1e-9 else None,
         agreement=agreement.agreement, exact_prefix=exact_prefix(vanilla.outputs, lane.outputs),
         identical=float(np.mean(identical)), identical_by_category=identical_by_category,
@@ -504,7 +572,8 @@ def mode_result(lane: SpecEELane, vanilla: VanillaLane, base: Timing, oracle: Or
         calibrated_speedup_sampled=level.speedup_sampled if level and level.exact else None,
         calibrated_agreement=level.agreement_interval() if level and not level.exact and level.steps else None,
         agreement_interval=agreement.interval,
-        speedup_by_category=speedup_by_category(lane, base, categories), choices=choices, pack=policy is not None,
+        speedup_by_category=speedup_by_category(lane.timing, base, categories),
+        speedup_by_category_interval=interval_by_category(lane.timing, base, categories), choices=choices, pack=policy is not None,
         round_trips=round_trips(lane.timing) if on_workers else None,
     )
 

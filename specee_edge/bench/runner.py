@@ -1,11 +1,13 @@
-"""Interleaved decoding: vanilla llama.cpp, SpecEE per KV mode and quality level, the peer (llama-cpp-python's
-own speculative decoding with prompt lookup) and the cost lanes take turns.
+"""Whole answers, lanes in a shuffled order: vanilla llama.cpp, the bare Context, SpecEE per KV mode and quality
+level, the peer (llama-cpp-python's own speculative decoding with prompt lookup) and llama-server each decode a
+prompt's whole answer alone, then the next lane does, in an order shuffled anew for every prompt; the cost lanes,
+in a pass of their own, take vanilla's tokens in turns.
 
-Every lane decodes the same prompts, and within a prompt the lanes take turns token by token, so a
-change in machine speed (another process, thermal throttling) hits all of them alike. Only decoding
-is timed, not the prompt: each step with the argmax or sampling of its token, as llama-server's
-timings count them. Vanilla and SpecEE pay alike for what a user's loop does with each token:
-detokenizing it and matching stop strings.
+Every lane is timed the same way, as llama-server times itself: a whole answer, decoding only (the prompt pass and
+each prompt's first token are not timed), each step with the argmax or sampling of its token. How far machine drift
+moves a ratio is the bootstrap's to say (its interval, over prompts), not interleaving's to hide. Vanilla and SpecEE
+pay alike for what a user's loop does with each token: detokenizing it and matching stop strings; the bare Context
+pays for nothing but the step and the draw.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 from llama_cpp import Llama
@@ -26,9 +28,11 @@ from specee_edge.engine import GREEDY, Engine, TokenRecord
 from specee_edge.engine.sampling import Sampler, SamplingParams
 from specee_edge.engine.stops import StopMatcher
 from specee_edge.errors import SpecEEError
-from specee_edge.runtime import rpc
+from specee_edge.runtime import Context, rpc
 from specee_edge.runtime.costs import Timing
 from specee_edge.runtime.rpc import Endpoint
+
+T = TypeVar("T")
 
 
 def prompt_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
@@ -37,9 +41,39 @@ def prompt_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     return sampling if sampling.greedy else dataclasses.replace(sampling, seed=(sampling.seed or 0) + index)
 
 
+@dataclass
+class Stopwatch:
+    """Times a lane's decode steps into its Timing; with RPC workers, also the replies each step waited for."""
+
+    workers: tuple[Endpoint, ...] = ()
+
+    def step(self, timing: Timing, call: Callable[[], T | None]) -> T | None:
+        """One step: `call`'s result, its time added to `timing`. None from `call` means there was no step left
+        (the answer had ended): nothing is counted."""
+        before = rpc.replies(self.workers) if self.workers else None
+        start = time.perf_counter()
+        result = call()
+        seconds = time.perf_counter() - start
+        if result is not None:
+            timing.add(seconds)
+            if before is not None:
+                timing.replies += rpc.replies(self.workers) - before
+        return result
+
+
+def decode_rest(tokens: list[int], step: Callable[[int], int], max_tokens: int, is_eog: Callable[[int], bool],
+                timing: Timing, watch: Stopwatch) -> None:
+    """Extend an answer (its first token drawn from the prompt pass) a timed step at a time: each step feeds the
+    last token and draws the next, until max_tokens or an end of generation."""
+    while len(tokens) < max_tokens and not is_eog(tokens[-1]):
+        tokens.append(watch.step(timing, lambda: step(tokens[-1])))
+
+
 class VanillaLane:
     """The stock llama-cpp-python path: Llama.eval one token at a time; times eval, the draw, the token's text and
     the stop-string matching. Greedy, or sampled by the engine's sampler, llama.cpp's chain (seeded per prompt)."""
+
+    name = LLAMA_CPP_PYTHON
 
     def __init__(self, llm: Llama, max_tokens: int, is_eog: Callable[[int], bool], sampling: SamplingParams = GREEDY):
         self.llm = llm
@@ -48,40 +82,67 @@ class VanillaLane:
         self.sampling = sampling
         self.timing = Timing()
         self.outputs: list[list[int]] = []  # generated tokens, one list per prompt
-        self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._stops = StopMatcher(())
-        self._draw: Sampler | None = None  # the prompt's, seeded for it
 
-    def start(self, prompt: Sequence[int]) -> None:
+    def answer(self, prompt: Sequence[int], watch: Stopwatch) -> None:
         self.timing.begin_prompt()
         self.llm.reset()
         self.llm.eval(prompt)
-        if self._draw is not None:
-            self._draw.close()
-        self._draw = Sampler(prompt_sampling(self.sampling, len(self.outputs)), self.llm.n_vocab(), prompt)
-        self.outputs.append([self._draw.from_context(self.llm.ctx)])
-        self._text.reset()
-        self._stops = StopMatcher(())
+        draw = Sampler(prompt_sampling(self.sampling, len(self.outputs)), self.llm.n_vocab(), prompt)
+        text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        stops = StopMatcher(())
 
-    def next_input(self) -> int | None:
-        """The token the next step feeds, or None when this prompt's answer is complete."""
-        tokens = self.outputs[-1]
-        if len(tokens) >= self.max_tokens or self.is_eog(tokens[-1]):
-            return None
-        return tokens[-1]
+        def step(token: int) -> int:
+            stops.feed(text.decode(self.llm.detokenize([token])))
+            self.llm.eval([token])  # on an asynchronous backend (RPC workers, a GPU) this returns before the step has
+            return draw.from_context(self.llm.ctx)  # run: reading the logits waits for it, timed too
 
-    def step(self, token: int) -> None:
-        start = time.perf_counter()
-        self._stops.feed(self._text.decode(self.llm.detokenize([token])))
-        self.llm.eval([token])  # on an asynchronous backend (RPC workers, a GPU) this returns before the step has run:
-        self.outputs[-1].append(self._draw.from_context(self.llm.ctx))  # reading the logits waits for it, timed too
-        self.timing.add(time.perf_counter() - start)
+        try:
+            tokens = [draw.from_context(self.llm.ctx)]
+            self.outputs.append(tokens)
+            decode_rest(tokens, step, self.max_tokens, self.is_eog, self.timing, watch)
+        finally:
+            draw.close()
+
+
+class ContextLane:
+    """The floor of our Python path: the runtime's Context, early exit never enabled, a token at a time with the
+    engines' draw (Sampler: a numpy argmax greedy, llama.cpp's chain sampled), nothing else: no text, no stop
+    strings, no statistics."""
+
+    name = "specee-edge Context (bare)"
+
+    def __init__(self, ctx: Context, max_tokens: int, is_eog: Callable[[int], bool], sampling: SamplingParams = GREEDY):
+        self.ctx = ctx
+        self.max_tokens = max_tokens
+        self.is_eog = is_eog
+        self.sampling = sampling
+        self.timing = Timing()
+        self.outputs: list[list[int]] = []
+
+    def answer(self, prompt: Sequence[int], watch: Stopwatch) -> None:
+        self.timing.begin_prompt()
+        self.ctx.clear()
+        self.ctx.decode(list(prompt))
+        draw = Sampler(prompt_sampling(self.sampling, len(self.outputs)), self.ctx.n_vocab, prompt)
+
+        def step(token: int) -> int:
+            self.ctx.decode([token])  # waits for the step on any backend
+            return draw.from_context(self.ctx.handle)
+
+        try:
+            tokens = [draw.from_context(self.ctx.handle)]
+            self.outputs.append(tokens)
+            decode_rest(tokens, step, self.max_tokens, self.is_eog, self.timing, watch)
+        finally:
+            draw.close()
 
 
 class PeerLane:
     """What a user would pick instead: llama-cpp-python's own lossless speculative decoding with prompt lookup
     (Llama(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=2)), its README's setting for CPU-only
     machines), through Llama.generate with llama.cpp's sampler chain; a step is one next() of it."""
+
+    name = "peer (llama-cpp-python prompt lookup)"
 
     def __init__(self, model_path: str, n_ctx: int, n_threads: int, max_tokens: int, is_eog: Callable[[int], bool],
                  sampling: SamplingParams = GREEDY, llama_kwargs: dict | None = None):
@@ -95,35 +156,22 @@ class PeerLane:
         self.sampling = sampling
         self.timing = Timing()
         self.outputs: list[list[int]] = []
-        self._tokens: Iterator[int] | None = None
 
-    def start(self, prompt: Sequence[int]) -> None:
+    def answer(self, prompt: Sequence[int], watch: Stopwatch) -> None:
         s = prompt_sampling(self.sampling, len(self.outputs))
         self.timing.begin_prompt()
         self.llm.reset()
         self.llm.set_seed(s.seed or 0)
-        self._tokens = self.llm.generate(list(prompt), top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                                         temp=s.temperature if not s.greedy else 0.0, repeat_penalty=s.repeat_penalty)
-        self.outputs.append([next(self._tokens)])
-
-    def step(self) -> bool:
-        tokens = self.outputs[-1]
-        if self._tokens is None or len(tokens) >= self.max_tokens or self.is_eog(tokens[-1]):
-            self.end()
-            return False
-        start = time.perf_counter()
-        token = next(self._tokens)
-        self.timing.add(time.perf_counter() - start)
-        tokens.append(token)
-        return True
-
-    def end(self) -> None:
-        if self._tokens is not None:
-            self._tokens.close()
-            self._tokens = None
+        stream = self.llm.generate(list(prompt), top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                                   temp=s.temperature if not s.greedy else 0.0, repeat_penalty=s.repeat_penalty)
+        try:
+            tokens = [next(stream)]
+            self.outputs.append(tokens)
+            decode_rest(tokens, lambda _: next(stream), self.max_tokens, self.is_eog, self.timing, watch)
+        finally:
+            stream.close()
 
     def close(self) -> None:
-        self.end()
         self.llm.close()
 
 
@@ -137,34 +185,26 @@ class SpecEELane:
     sampling: SamplingParams = field(default_factory=lambda: GREEDY)
     timing: Timing = field(default_factory=Timing)
     records: list[list[TokenRecord]] = field(default_factory=list)  # one list per prompt
-    _stream: Iterator[TokenRecord] | None = field(default=None, init=False, repr=False)
 
-    def start(self, prompt: Sequence[int]) -> None:
+    @property
+    def name(self) -> str:
+        policy = self.engine.policy
+        if policy is None or policy.quality is None:
+            return f"specee-edge {self.kv_mode}"
+        return f"specee-edge {self.kv_mode}@{'exact' if self.engine.exact else f'{policy.quality:g}'}"
+
+    def answer(self, prompt: Sequence[int], watch: Stopwatch) -> None:
         self.timing.begin_prompt()
         self.engine.reset()  # every lane starts each prompt from an empty cache
-        self._stream = self.engine.stream(prompt, max_tokens=self.max_tokens,
-                                          sampling=prompt_sampling(self.sampling, len(self.records)))
-        self.records.append([next(self._stream)])
-
-    def step(self) -> bool:
-        """Decode one token; False when the answer is complete."""
-        if self._stream is None:
-            return False
-        start = time.perf_counter()
-        try:
-            record = next(self._stream)
-        except StopIteration:
-            self._stream = None
-            return False
-        self.timing.add(time.perf_counter() - start)
-        self.records[-1].append(record)
-        return True
-
-    def end(self) -> None:
-        """Close the stream now: left to the garbage collector, its clean-up would hit a later prompt's cache."""
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
+        stream = self.engine.stream(prompt, max_tokens=self.max_tokens,
+                                    sampling=prompt_sampling(self.sampling, len(self.records)))
+        try:  # closed here: left to the garbage collector, its clean-up would hit a later prompt's cache
+            records = [next(stream)]
+            self.records.append(records)
+            while (record := watch.step(self.timing, lambda: next(stream, None))) is not None:
+                records.append(record)
+        finally:
+            stream.close()
 
     @property
     def outputs(self) -> list[list[int]]:
@@ -176,16 +216,13 @@ class SpecEELane:
 
 
 class Lane(Protocol):
-    """A lane that decodes on its own (SpecEE, the peer, a llama-server): start a prompt, then step until False."""
+    """A lane: answers a prompt whole, its decode steps timed into `timing` (by `watch`, or by itself: llama-server)."""
 
+    name: str
     timing: Timing
     outputs: list[list[int]]
 
-    def start(self, prompt: Sequence[int]) -> None: ...
-
-    def step(self) -> bool: ...
-
-    def end(self) -> None: ...
+    def answer(self, prompt: Sequence[int], watch: Stopwatch) -> None: ...
 
 
 class FedLane(Protocol):
@@ -198,70 +235,53 @@ class FedLane(Protocol):
     def step(self, token: int) -> None: ...
 
 
-def run_interleaved(prompts: Sequence[Sequence[int]], vanilla: VanillaLane, specee: Sequence[Lane],
-                    fed: Sequence[FedLane], advance: Callable[[int], None] = lambda n: None,
-                    workers: tuple[Endpoint, ...] = ()) -> dict[int, str]:
-    """Decode every prompt with every lane, token by token in turns; `advance` counts steps. The fed lanes
-    (the cost lanes) step in a new random order at each token, as calibration's do (runtime/costs.py).
-    workers: the RPC workers the lanes' layers live on; each lane's timing counts the replies its steps waited for.
-    A lane of `specee` that raises (a peer's bug, a server that died) is dropped and the others go on: returns
-    those lanes, by index, each with its error in one line. Vanilla is every lane's reference (the tokens the fed
-    lanes decode, the answers quality compares with): where it raises, the run ends with one line (SpecEEError)."""
-    order = np.random.default_rng(0)
-    failed: dict[int, str] = {}
+@dataclass
+class PassLog:
+    """What one decoding pass did: the lanes that failed (by index among the pass's lanes, 0 the reference), each
+    with its error in one line, and per prompt the order in which the lanes answered (indices, the same way)."""
 
-    def counted(lane: Lane | VanillaLane | FedLane, *token: int):
-        if not workers:
-            return lane.step(*token)
-        before = rpc.replies(workers)
-        result = lane.step(*token)
-        lane.timing.replies += rpc.replies(workers) - before
-        return result
+    failed: dict[int, str] = field(default_factory=dict)
+    order: list[list[int]] = field(default_factory=list)
 
-    def guarded(i: int, call: Callable[[], bool | None]) -> bool:
-        try:
-            return bool(call())
-        except Exception as e:  # noqa: BLE001 - any lane's error drops that lane only
-            failed[i] = one_line(e)
-            try:
-                specee[i].end()
-            except Exception:  # noqa: BLE001 - its clean-up may fail the same way
-                pass
-            return False
 
-    def live() -> list[int]:
-        return [i for i in range(len(specee)) if i not in failed]
-
-    def reference(call: Callable[[], None]) -> None:
-        try:
-            call()
-        except Exception as e:  # noqa: BLE001 - without its answers no lane can be compared: one line, not a trace
-            raise SpecEEError(f"the vanilla lane ({LLAMA_CPP_PYTHON}, every lane's reference) failed: "
-                              f"{one_line(e)}") from None
-
-    steps = vanilla.max_tokens - 1
+def run_lanes(prompts: Sequence[Sequence[int]], lanes: Sequence[Lane], rng: np.random.Generator,
+              advance: Callable[[int], None] = lambda n: None, workers: tuple[Endpoint, ...] = ()) -> PassLog:
+    """Every lane answers every prompt whole, one lane after another, in an order `rng` shuffles anew for each
+    prompt; `advance` counts answers. workers: the RPC workers the lanes' layers live on (each lane's timing counts
+    the replies its steps waited for). lanes[0] is the reference (vanilla: the answers quality compares with, the
+    tokens the cost lanes decode): where it raises, the run ends with one line (SpecEEError). Any other lane that
+    raises (a peer's bug, a server that died) is dropped, a line in the log, and the others go on."""
+    watch = Stopwatch(workers)
+    log = PassLog()
     for prompt in prompts:
-        reference(lambda: vanilla.start(prompt))
-        for i in live():
-            guarded(i, lambda: specee[i].start(prompt))
-        for lane in fed:
-            lane.start(prompt)
-        for done in range(steps):
-            token = vanilla.next_input()
-            busy = token is not None
-            if busy:
-                reference(lambda: counted(vanilla, token))
-                for j in order.permutation(len(fed)):
-                    counted(fed[j], token)
-            for i in live():
-                busy |= guarded(i, lambda: counted(specee[i]))
-            if not busy:
-                advance(steps - done)
-                break
+        order = [int(i) for i in rng.permutation(len(lanes))]
+        log.order.append(order)
+        for i in order:
+            if i in log.failed:
+                continue
+            try:
+                lanes[i].answer(prompt, watch)
+            except Exception as e:  # noqa: BLE001 - any lane's error drops that lane only; the reference's ends the run
+                if i == 0:
+                    raise SpecEEError(f"the vanilla lane ({LLAMA_CPP_PYTHON}, every lane's reference) failed: "
+                                      f"{one_line(e)}") from None
+                log.failed[i] = one_line(e)
             advance(1)
-        for i in live():
-            guarded(i, lambda: specee[i].end())
-    return failed
+    return log
+
+
+def feed(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], lanes: Sequence[FedLane],
+         advance: Callable[[int], None] = lambda n: None, seed: int = 0) -> None:
+    """The cost lanes decode each prompt's answer (every token but the last, which no step of its answer fed) in
+    turns, a token each in a new random order at each token, as calibration's do (runtime/costs.py)."""
+    rng = np.random.default_rng(seed)
+    for prompt, answer in zip(prompts, answers):
+        for lane in lanes:
+            lane.start(prompt)
+        for token in answer[:-1]:
+            for i in rng.permutation(len(lanes)):
+                lanes[i].step(token)
+            advance(1)
 
 
 def one_line(error: BaseException) -> str:

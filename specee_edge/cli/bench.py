@@ -104,11 +104,11 @@ def bench(
         "ngram-map-k4v, ngram-cache; all; or none (default: ngram-mod,ngram-map-k)"))] = None,
     draft_model: Annotated[Path | None, typer.Option("--draft-model", "-md", help="a small model with the same "
                                                      "vocabulary: a llama-server lane with -md DRAFT")] = None,
-    seed: Annotated[int, typer.Option("-s", "--seed", help="the sampled pass's seed: prompt i draws from seed + i in every lane")] = 0,
+    seed: Annotated[int, typer.Option("-s", "--seed", help="the sampled pass's seed (prompt i draws from seed + i in every lane) and the lanes' shuffled order's")] = 0,
     json_path: Annotated[Path | None, typer.Option("--json", help="write the results as JSON here")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="write a PNG here: speedup against agreement and perplexity, the exit layers")] = None,
 ) -> None:
-    """Decode the same prompts with vanilla llama.cpp and SpecEE, interleaved: speed, oracle bound, quality."""
+    """Decode the same prompts with vanilla llama.cpp and SpecEE, whole answers in a shuffled order: speed, oracle bound, quality."""
     from specee_edge.bench import BenchConfig, plot_bench, run_bench
     from specee_edge.bench.run import NO_PACK
     from specee_edge.bench.llama_server import LlamaServerError, find_binary, has_terminal, parse_spec_types
