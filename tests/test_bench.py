@@ -216,6 +216,8 @@ def test_quality_sweep_has_a_lane_per_level(sweep_run, two_level_pack):
     # checked on a run that may have none (near_ties == divergences held vacuously here)
     for lane in (exact, loose):
         assert 0 <= lane["near_ties"] <= lane["divergences"] <= round((1 - lane["identical"]) * data["prompts"])
+    # what does hold on every run: exact mode's answers are llama.cpp's own evaluation of their rounds
+    assert exact["off_replay"] == 0 and loose["off_replay"] is None
     assert exact["agreement"] >= loose["agreement"]
     # the sampled pass and the peer lane ran on the same prompts
     assert data["vanilla_sampled_tok_s"] > 0 and exact["sampled"]["speedup"] > 0

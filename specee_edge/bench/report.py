@@ -133,6 +133,9 @@ class ModeResult:
     divergences: int = 0              # answers that depart from vanilla greedy
     near_ties: int = 0                # ... where vanilla's top-2 logits differed by less than quality.NEAR_TIE
     largest_divergence_margin: float | None = None
+    # exact mode, greedy: answers whose tokens are not llama.cpp's own evaluation of their rounds (batched_replay:
+    # each batch as one batch of its rows); 0 unless exact mode is broken. None: a lossy lane
+    off_replay: int | None = None
     sampled: SampledResult | None = None
     # the pack's figures for the level, beside which the bench's measured ones stand: a lossy level's speed-up is
     # predicted from measured costs, exact mode's measured against plain decoding at calibration (None: no level)
@@ -408,6 +411,7 @@ class BenchResult:
                 ("rounds drafted by prompt lookup", lambda m: f"{m.lookup_round_share:.2f}" if m.tokens_per_round else "-"),
                 ("verify_cost (batch / vanilla step)", lambda m: "-" if m.verify_cost is None else f"{m.verify_cost:.2f}"),
                 ("divergences from vanilla (near-ties)", lambda m: f"{m.divergences} ({m.near_ties})"),
+                ("answers off llama.cpp's batched evaluation", lambda m: "-" if m.off_replay is None else str(m.off_replay)),
                 ("identical answers, sampled", lambda m: f"{m.sampled.identical:.2f}" if m.sampled else "-"),
             ]
         categories = sorted({c for m in self.modes for c in m.recall_by_category})

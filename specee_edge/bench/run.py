@@ -15,8 +15,8 @@ from llama_cpp import Llama
 from threadpoolctl import threadpool_limits
 
 from specee_edge.bench.oracle import Oracle, oracle_depths
-from specee_edge.bench.quality import (LOOP_SHARE, NEAR_TIE, Agreement, Perplexity, agreement, divergence_margins,
-                                      exact_prefix, perplexity, repetition)
+from specee_edge.bench.quality import (LOOP_SHARE, NEAR_TIE, Agreement, Perplexity, agreement, batched_replay,
+                                      divergence_margins, exact_prefix, perplexity, repetition)
 from specee_edge.bench.lookup_replay import replay_by_category
 from specee_edge.bench.report import (LLAMA_CPP_PYTHON, TIME_PARTS, BenchResult, ExactChoices, ModeResult, RoundTrips,
                                      RpcResult, ToolLane,
@@ -381,6 +381,8 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
                     # exact mode's distribution is the full model's: its perplexity is plain decoding's
                     ppl=perplexity(lane.engine, heldout, early_exit=not lane.engine.exact, advance=advance),
                     margins=divergence_margins(reference, prompts, vanilla.outputs, lane.outputs),
+                    off_replay=sum(batched_replay(reference, prompt, records) != output for prompt, records, output
+                                   in zip(prompts, lane.records, lane.outputs)) if lane.engine.exact else None,
                     sampled=sampled.get(i), choices=greedy_choices[i])
         for i, lane in greedy.specee.items()
     ]
@@ -524,7 +526,7 @@ def sampled_result(lane: SpecEELane, vanilla: VanillaLane, categories: Sequence[
 
 def mode_result(lane: SpecEELane, vanilla: VanillaLane, base: Timing, oracle: Oracle | None,
                 costs: TokenCosts | None, categories: Sequence[str], no_loop: Sequence[int], on_workers: bool, *,
-                agreement: Agreement, ppl: Perplexity, margins: list[float],
+                agreement: Agreement, ppl: Perplexity, margins: list[float], off_replay: int | None,
                 sampled: SampledResult | None, choices: ExactChoices | None) -> ModeResult:
     """categories: each prompt's, in the order the lane answered them; no_loop: the prompts whose vanilla
     answer does not loop; on_workers: layers live on RPC workers (the lane's round trips are reported); oracle and
@@ -567,7 +569,7 @@ def mode_result(lane: SpecEELane, vanilla: VanillaLane, base: Timing, oracle: Or
         lookup_round_share=stats.lookup_rounds / stats.rounds if stats.rounds else 0.0,
         verify_cost=verify_cost(stats, vanilla),
         divergences=len(margins), near_ties=sum(margin < NEAR_TIE for margin in margins),
-        largest_divergence_margin=max(margins, default=None), sampled=sampled,
+        largest_divergence_margin=max(margins, default=None), off_replay=off_replay, sampled=sampled,
         calibrated_speedup=level.speedup if level else None,
         calibrated_speedup_sampled=level.speedup_sampled if level and level.exact else None,
         calibrated_agreement=level.agreement_interval() if level and not level.exact and level.steps else None,
