@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from specee_edge.cli import app
 from specee_edge.default_model import default_model_path
 from specee_edge.eval import humaneval
-from specee_edge.eval.run import LOGLIK, PLAIN, EvalConfig, run_eval
+from specee_edge.errors import SpecEEError
+from specee_edge.eval.run import HUMANEVAL, LOGLIK, PLAIN, EvalConfig, parse_problems, run_eval, task_items
 from specee_edge.eval.sandbox import limits, run_program
 from specee_edge.eval.score import mean_log_likelihoods, paired_difference, paired_ratio
 from specee_edge.pack.task_figures import figures_path, read_figures
@@ -127,6 +128,22 @@ def test_the_loglik_task_on_the_default_model():
     for level in task.levels:
         assert 0 <= level.repetition <= 1 and level.tok_s > 0 and level.answers == 2
     assert len(task.samples) == 6 and {s.level for s in task.samples} == {PLAIN, "0.9", "exact"}
+
+
+def test_problems_are_picked_by_number():
+    """--problems: ranges and numbers, in the order given, each once; --limit then takes the first of them."""
+    assert parse_problems("64-66,3, 65") == [64, 65, 66, 3]
+    for bad in ("", "a", "5-2", "1,,2", "-3"):
+        with pytest.raises(SpecEEError, match="--problems"):
+            parse_problems(bad)
+    items = task_items(HUMANEVAL, EvalConfig(model=default_model_path(), problems=parse_problems("64-163")))
+    assert [i.id for i in items] == [f"HumanEval/{n}" for n in range(64, 164)]
+    items = task_items(HUMANEVAL, EvalConfig(model=default_model_path(), problems=[22, 28, 3], limit=2))
+    assert [i.id for i in items] == ["HumanEval/22", "HumanEval/28"]
+    with pytest.raises(SpecEEError, match="not 164"):
+        task_items(HUMANEVAL, EvalConfig(model=default_model_path(), problems=[164]))
+    every = task_items(LOGLIK, EvalConfig(model=default_model_path(), tasks=[LOGLIK], limit=5))
+    assert task_items(LOGLIK, EvalConfig(model=default_model_path(), tasks=[LOGLIK], problems=[3, 1])) == [every[3], every[1]]
 
 
 def test_eval_needs_the_opt_in_to_run_code():

@@ -3,6 +3,7 @@ log-likelihood, the tests of a code task), paired with plain decoding's."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -38,6 +39,7 @@ class EvalConfig:
     pack: str | Path | None = AUTO
     tasks: list[str] = field(default_factory=lambda: [HUMANEVAL])
     limit: int = 0                   # problems (prompts) per task, in the data set's order; 0: all
+    problems: list[int] | None = None  # --problems: these problems by number (HumanEval/N), before --limit; None: all
     quality: str = "all"             # the levels besides plain: all, or a list such as exact,0.9
     prompt_set: str = "all"          # the loglik task's prompts: a built-in set or a .jsonl file
     tokens: int = humaneval.MAX_TOKENS  # the most tokens of an answer
@@ -80,13 +82,34 @@ def parse_tasks(spec: str) -> list[str]:
     return list(dict.fromkeys(tasks))
 
 
+def parse_problems(spec: str) -> list[int]:
+    """Problem numbers from a comma list of numbers and inclusive ranges, as `64-163` or `0-9,22,28`; in the
+    order given, each once."""
+    numbers: list[int] = []
+    for part in (p.strip() for p in spec.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
+        if not match or (match[2] is not None and int(match[2]) < int(match[1])):
+            raise SpecEEError(f"--problems {spec!r}: expected numbers and ranges such as 64-163 or 0-9,22")
+        first = int(match[1])
+        numbers.extend(range(first, int(match[2] or first) + 1))
+    return list(dict.fromkeys(numbers))
+
+
+def pick_problems(rows: Sequence, problems: list[int] | None, limit: int) -> list[tuple[int, object]]:
+    """(number, row) of the rows `problems` names (all if None), then the first `limit` of them (0: all)."""
+    numbers = range(len(rows)) if problems is None else problems
+    if missing := [n for n in numbers if n >= len(rows)]:
+        raise SpecEEError(f"--problems: there are {len(rows)} problems (0-{len(rows) - 1}), not {missing[0]}")
+    picked = [(n, rows[n]) for n in numbers]
+    return picked[:limit] if limit > 0 else picked
+
+
 def task_items(task: str, config: EvalConfig) -> list[Item]:
     if task == HUMANEVAL:
-        problems = humaneval.load_problems()
-        problems = problems[: config.limit] if config.limit > 0 else problems
-        return [Item(p.task_id, humaneval.user_message(p), p) for p in problems]
-    prompts = pick_prompts(bench_prompts(config.prompt_set), config.limit)
-    return [Item(f"{p.category}/{i}", p.text) for i, p in enumerate(prompts)]
+        return [Item(p.task_id, humaneval.user_message(p), p)
+                for _, p in pick_problems(humaneval.load_problems(), config.problems, config.limit)]
+    prompts = pick_prompts(bench_prompts(config.prompt_set), 0)
+    return [Item(f"{p.category}/{i}", p.text) for i, p in pick_problems(prompts, config.problems, config.limit)]
 
 
 def levels_to_run(engine: Engine, spec: str) -> list[float | None]:
