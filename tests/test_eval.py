@@ -159,7 +159,8 @@ def test_eval_humaneval_on_the_default_model(tmp_path):
     shutil.copy(SHIPPED_PACK, pack)
     assert "none stored for this pack" in CliRunner().invoke(app, ["info", str(pack)]).output  # as an older pack
     args = ["eval", "--tasks", "humaneval", "--limit", "2", "--confirm-run-unsafe-code", "-n", "40", "-t", "1",
-            "--quality", "exact,0.9", "--pack", str(pack), "--store", "--json", str(out), "--log-samples", str(samples)]
+            "--quality", "exact,0.9", "--guard", "words", "--pack", str(pack), "--store", "--json", str(out),
+            "--log-samples", str(samples)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "pass@1" in result.output and "time per" in result.output
@@ -168,7 +169,7 @@ def test_eval_humaneval_on_the_default_model(tmp_path):
     (task,) = data["tasks"]
     assert task["task"] == "humaneval" and task["problems"] == 2 and "wall clock" in task["limits"]
     levels = {lv["level"]: lv for lv in task["levels"]}
-    assert list(levels) == [PLAIN, "0.9", "exact"]
+    assert list(levels) == [PLAIN, "0.9", "0.9+words", "exact"]  # a lossy level, then itself under the guard
     for name, level in levels.items():
         assert level["pass_at_1"] in (0.0, 0.5, 1.0) and level["seconds_per_answer"] > 0
         if name != PLAIN:
@@ -178,7 +179,7 @@ def test_eval_humaneval_on_the_default_model(tmp_path):
             assert level["only_level_passed"] - level["only_plain_passed"] == round(2 * level["pass_at_1_diff"])
     assert levels["exact"]["unchanged"]
     rows = [json.loads(line) for line in samples.read_text().splitlines()]
-    assert len(rows) == 6 and {r["problem"] for r in rows} == {"HumanEval/0", "HumanEval/1"}
+    assert len(rows) == 8 and {r["problem"] for r in rows} == {"HumanEval/0", "HumanEval/1"}
     assert all(r["outcome"] and r["code"] is not None and r["tokens"] <= 40 for r in rows)
     # what the table says passed is what the samples say
     assert np.mean([r["passed"] for r in rows if r["level"] == PLAIN]) == levels[PLAIN]["pass_at_1"]
