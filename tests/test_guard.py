@@ -28,7 +28,7 @@ def test_guards_are_spelt_as_the_cli_takes_them():
 
 def test_a_word_continues_after_letters_digits_and_underscores():
     assert continues_word(b"num") and continues_word(b" x1") and continues_word(b"_") and continues_word(b"12")
-    assert not continues_word(b"(") and not continues_word(b" ") and not continues_word(b"x.") and not continues_word(b"")
+    assert not any(continues_word(piece) for piece in (b"(", b" ", b"x.", b""))
 
 
 def test_the_margin_is_between_the_two_best_candidates():

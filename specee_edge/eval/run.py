@@ -166,8 +166,8 @@ def run_eval(config: EvalConfig, reporter: Reporter = Silent()) -> EvalResult:
     try:
         if config.store and engine.pack_path is None:
             raise SpecEEError(f"--store keeps the figures beside the pack, and {config.model.name} has none")
-        levels = with_guarded([engine_level(engine, setting) for setting in [PLAIN, *levels_to_run(engine, config.quality)]],
-                              config.guards)
+        settings = [PLAIN, *levels_to_run(engine, config.quality)]
+        levels = with_guarded([engine_level(engine, setting) for setting in settings], config.guards)
         tasks = [run_task(engine, task, items[task], levels, config, reporter) for task in config.tasks]
         pack_path = engine.pack_path
     finally:
