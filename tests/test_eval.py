@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from specee_edge.cli import app
 from specee_edge.default_model import default_model_path
 from specee_edge.eval import humaneval
-from specee_edge.eval.run import LOGLIK, PLAIN, EvalConfig, run_eval
+from specee_edge.errors import SpecEEError
+from specee_edge.eval.run import HUMANEVAL, LOGLIK, PLAIN, EvalConfig, parse_problems, run_eval, task_items
 from specee_edge.eval.sandbox import limits, run_program
 from specee_edge.eval.score import mean_log_likelihoods, paired_difference, paired_ratio
 from specee_edge.pack.task_figures import figures_path, read_figures
@@ -129,6 +130,23 @@ def test_the_loglik_task_on_the_default_model():
     assert len(task.samples) == 6 and {s.level for s in task.samples} == {PLAIN, "0.9", "exact"}
 
 
+def test_problems_are_picked_by_number():
+    """--problems: ranges and numbers, in the order given, each once; --limit then takes the first of them."""
+    assert parse_problems("64-66,3, 65") == [64, 65, 66, 3]
+    for bad in ("", "a", "5-2", "1,,2", "-3"):
+        with pytest.raises(SpecEEError, match="--problems"):
+            parse_problems(bad)
+    items = task_items(HUMANEVAL, EvalConfig(model=default_model_path(), problems=parse_problems("64-163")))
+    assert [i.id for i in items] == [f"HumanEval/{n}" for n in range(64, 164)]
+    items = task_items(HUMANEVAL, EvalConfig(model=default_model_path(), problems=[22, 28, 3], limit=2))
+    assert [i.id for i in items] == ["HumanEval/22", "HumanEval/28"]
+    with pytest.raises(SpecEEError, match="not 164"):
+        task_items(HUMANEVAL, EvalConfig(model=default_model_path(), problems=[164]))
+    every = task_items(LOGLIK, EvalConfig(model=default_model_path(), tasks=[LOGLIK], limit=5))
+    picked = task_items(LOGLIK, EvalConfig(model=default_model_path(), tasks=[LOGLIK], problems=[3, 1]))
+    assert picked == [every[3], every[1]]
+
+
 def test_eval_needs_the_opt_in_to_run_code():
     result = CliRunner().invoke(app, ["eval", "--tasks", "humaneval", "--limit", "1"])
     assert result.exit_code == 1 and "--confirm-run-unsafe-code" in result.output
@@ -142,7 +160,8 @@ def test_eval_humaneval_on_the_default_model(tmp_path):
     shutil.copy(SHIPPED_PACK, pack)
     assert "none stored for this pack" in CliRunner().invoke(app, ["info", str(pack)]).output  # as an older pack
     args = ["eval", "--tasks", "humaneval", "--limit", "2", "--confirm-run-unsafe-code", "-n", "40", "-t", "1",
-            "--quality", "exact,0.9", "--pack", str(pack), "--store", "--json", str(out), "--log-samples", str(samples)]
+            "--quality", "exact,0.9", "--guard", "words", "--pack", str(pack), "--store", "--json", str(out),
+            "--log-samples", str(samples)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "pass@1" in result.output and "time per" in result.output
@@ -151,7 +170,7 @@ def test_eval_humaneval_on_the_default_model(tmp_path):
     (task,) = data["tasks"]
     assert task["task"] == "humaneval" and task["problems"] == 2 and "wall clock" in task["limits"]
     levels = {lv["level"]: lv for lv in task["levels"]}
-    assert list(levels) == [PLAIN, "0.9", "exact"]
+    assert list(levels) == [PLAIN, "0.9", "0.9+words", "exact"]  # a lossy level, then itself under the guard
     for name, level in levels.items():
         assert level["pass_at_1"] in (0.0, 0.5, 1.0) and level["seconds_per_answer"] > 0
         if name != PLAIN:
@@ -161,7 +180,7 @@ def test_eval_humaneval_on_the_default_model(tmp_path):
             assert level["only_level_passed"] - level["only_plain_passed"] == round(2 * level["pass_at_1_diff"])
     assert levels["exact"]["unchanged"]
     rows = [json.loads(line) for line in samples.read_text().splitlines()]
-    assert len(rows) == 6 and {r["problem"] for r in rows} == {"HumanEval/0", "HumanEval/1"}
+    assert len(rows) == 8 and {r["problem"] for r in rows} == {"HumanEval/0", "HumanEval/1"}
     assert all(r["outcome"] and r["code"] is not None and r["tokens"] <= 40 for r in rows)
     # what the table says passed is what the samples say
     assert np.mean([r["passed"] for r in rows if r["level"] == PLAIN]) == levels[PLAIN]["pass_at_1"]

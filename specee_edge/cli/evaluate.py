@@ -22,7 +22,9 @@ def eval_command(
     pack: PackOpt = None,
     tasks: Annotated[str, typer.Option("--tasks", help="humaneval (runs the model's code: needs --confirm-run-unsafe-code), loglik (the full model's log-likelihood of answers to --prompts), or both: humaneval,loglik")] = "humaneval",
     limit: Annotated[int, typer.Option("--limit", help="problems (prompts) per task, from the first (0: all)")] = 0,
+    problems: Annotated[str | None, typer.Option("--problems", help="these problems by number, as 64-163 or 0-9,22 (HumanEval/N; a prompt set's in --limit's order), then --limit of them")] = None,
     quality: Annotated[str, typer.Option("--quality", help="the pack's levels to compare with plain decoding: all, or a list such as exact,0.95")] = "all",
+    guard: Annotated[str, typer.Option("--guard", help="also run each lossy level under each of these exit guards (a comma list): words (no exit for a token after one ending inside a word), marginM (an exit whose top two candidates' logits differ by less than M is undone), or both joined by +: words,margin2,words+margin2")] = "none",
     prompts: Annotated[str, typer.Option("--prompts", help="the loglik task's prompts: a bench set (chat, code, math, summarize, edit, Spec-Bench's, spec-bench, all) or a .jsonl file")] = "all",
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="the most tokens of an answer")] = 512,
     threads: Threads = None,
@@ -37,7 +39,8 @@ def eval_command(
     model's log-likelihood of the answers, repetition, and time per whole answer, each difference with its 95%
     interval."""
     from specee_edge.engine import AUTO, GREEDY, SamplingParams
-    from specee_edge.eval.run import EvalConfig, parse_tasks, run_eval
+    from specee_edge.engine.guard import parse_guard
+    from specee_edge.eval.run import EvalConfig, parse_problems, parse_tasks, run_eval
     from specee_edge.pull import resolve_model
     from specee_edge.threads import default_threads
 
@@ -46,7 +49,8 @@ def eval_command(
             raise SpecEEError(f"--temp must be 0 (greedy) or more, got {temp:g}")
         config = EvalConfig(
             model=resolve_model(pick_model(model, None, hf_repo, hf_file)).path, pack=pack or AUTO,
-            tasks=parse_tasks(tasks), limit=limit, quality=quality, prompt_set=prompts, tokens=n_predict, threads=threads or default_threads(),
+            tasks=parse_tasks(tasks), limit=limit,
+            problems=parse_problems(problems) if problems is not None else None, quality=quality, guards=[parse_guard(g) for g in guard.split(',')], prompt_set=prompts, tokens=n_predict, threads=threads or default_threads(),
             sampling=GREEDY if temp == 0 else SamplingParams(temperature=temp, seed=seed),
             run_code=confirm_run_unsafe_code, store=store, command=" ".join(["specee-edge", *sys.argv[1:]]))
         with progress_bars(20) as progress:

@@ -31,6 +31,7 @@ from specee_edge.default_model import default_model_path
 from specee_edge.draft.lookup import DRAFT_MATCH_N, LOOKUP_MAX_N, Continuation, PromptLookup, lookup_drafts
 from specee_edge.engine.controller import Choice, Controller, ExitPrior, Outcome
 from specee_edge.engine.exit import ExitPolicy, find_pack
+from specee_edge.engine.guard import NO_GUARD, ExitGuard, candidate_margin, continues_word
 from specee_edge.engine.records import GenerationStats, Round, TokenRecord, TokenSource
 from specee_edge.engine.sampling import Sampler, SamplingParams, masks_every_token
 from specee_edge.engine.stops import StopMatcher
@@ -68,6 +69,7 @@ class EngineConfig:
     speculation: str = "auto"  # exact mode: "auto", each round as the controller measures cheapest here; "always",
     #                            draft at every chance, as llama.cpp's speculative decoding does
     native: bool = True  # False: the Python exit policy, called per probe (research; slower)
+    guard: ExitGuard = NO_GUARD  # a lossy level's exits withheld where a wrong token is likely to cost the answer
     profile: bool = False  # time the in-graph draft (one extra scheduler split per token)
 
 
@@ -414,7 +416,19 @@ class Engine:
                 lookup = self.policy.lookup  # None, or not used when the step's graph had no draft
                 record.lookup_hit = token == lookup if lookup in record.candidates else None
             yield record
-            record = self.step(token)
+            record = self._guarded_step(token) if self.guard.on and self.early_exit else self.step(token)
+
+    def _guarded_step(self, token: int) -> TokenRecord:
+        """step(token) under the exit guard (guard.py): exits held for a token that may continue a word; an exit
+        whose candidates nearly tie undone, and the token decoded again with exits held."""
+        self.policy.hold(self.guard.words and continues_word(self.model.token_to_piece(token)))
+        record = self.step(token)
+        if (record.exit_layer is None or not self.guard.margin
+                or candidate_margin(self.ctx.logits(), record.candidates) >= self.guard.margin):
+            return record
+        self._truncate(len(self._history) - 1)
+        self.policy.hold(True)
+        return with_costs_of(self.step(token), [record])
 
     # --- exact mode ------------------------------------------------------------------------
 
@@ -588,6 +602,16 @@ class Engine:
         self.speculative = on
         if self.policy:
             self.policy.set_active(on)
+
+    @property
+    def guard(self) -> ExitGuard:
+        return self.config.guard
+
+    def set_guard(self, guard: ExitGuard) -> None:
+        """The exit guard of the lossy levels from the next token on (NO_GUARD: none)."""
+        self.config = dataclasses.replace(self.config, guard=guard)
+        if self.policy:
+            self.policy.hold(False)
 
     def set_quality(self, quality: float | None) -> None:
         """Use the pack's level for `quality` (None: its default), dropping a threshold override."""

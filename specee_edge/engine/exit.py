@@ -35,6 +35,8 @@ from specee_edge.runtime import Context
 from specee_edge.runtime.context import StepInfo
 from specee_edge.runtime.weights import TargetWeights
 
+NO_EXIT = 2.0  # a threshold no predictor's probability exceeds
+
 
 @dataclass
 class ExitPolicy:
@@ -47,6 +49,7 @@ class ExitPolicy:
     native: bool = True
     candidates: tuple[int, ...] = field(default=(), init=False)  # the last step's, for the next token
     lookup: int | None = field(default=None, init=False)  # the last step's prompt-lookup candidate (its first slot)
+    held: bool = field(default=False, init=False)  # exits impossible for now (an exit guard withholds them)
     ctx: Context | None = field(default=None, init=False)
 
     @classmethod
@@ -87,9 +90,21 @@ class ExitPolicy:
         # keeps every layer on (above 1 that measures the machinery with exits impossible).
         self.schedule = OnlineSchedule(schedule, {il for il, e in self.exits.items() if e.on})
         self._probe_layers: list[int] | None = None  # what the context holds; None: set it at the next token
+        self.held = False
         if self.ctx is not None and self.native:
-            for layer, exit in self.exits.items():
-                self.ctx.set_exit(layer, exit.kind, exit.threshold)
+            self._set_exits()
+
+    def _set_exits(self) -> None:
+        for layer, exit in self.exits.items():
+            self.ctx.set_exit(layer, exit.kind, NO_EXIT if self.held and exit.on else exit.threshold)
+
+    def hold(self, held: bool) -> None:
+        """Held: no token may exit, though the draft and the probes still run (the next token's candidates are
+        drafted from this one's last hidden state as usual); released: the level's exits again."""
+        if held != self.held:
+            self.held = held
+            if self.native:
+                self._set_exits()
 
     def _override_kind(self, layer: int) -> ExitKind:
         """A layer's kind under --threshold: the default level's where it has one on, else verified (the
@@ -133,7 +148,7 @@ class ExitPolicy:
         if self.native:
             for layer, mlp in self.predictors.items():
                 ctx.set_predictor(layer, mlp.weights, mlp.biases)
-                ctx.set_exit(layer, self.exits[layer].kind, self.exits[layer].threshold)
+            self._set_exits()
 
     def set_active(self, on: bool) -> None:
         """Off: no probe layers and no callback, so the context decodes like a plain one."""
@@ -218,7 +233,7 @@ class ExitPolicy:
         outcome, _ = self._checks.check(cand_logits, self.predictors[layer], self.exits[layer])
         t1 = time.perf_counter()
         self.predictor_s += t1 - t0
-        if outcome == Outcome.GO_ON:
+        if outcome == Outcome.GO_ON or self.held:
             return ExitKind.NONE
         if outcome == Outcome.HEAD_FREE:
             return ExitKind.HEAD_FREE

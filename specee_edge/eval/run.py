@@ -3,6 +3,8 @@ log-likelihood, the tests of a code task), paired with plain decoding's."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -16,6 +18,7 @@ from specee_edge.bench.run import ENGINE_CTX, Reporter, Silent, bench_qualities,
 from specee_edge.bench.runner import prompt_sampling
 from specee_edge.data.prompts import bench_prompts
 from specee_edge.engine import AUTO, GREEDY, Engine, EngineConfig
+from specee_edge.engine.guard import NO_GUARD, ExitGuard
 from specee_edge.engine.sampling import SamplingParams
 from specee_edge.errors import SpecEEError
 from specee_edge.eval import humaneval
@@ -38,7 +41,9 @@ class EvalConfig:
     pack: str | Path | None = AUTO
     tasks: list[str] = field(default_factory=lambda: [HUMANEVAL])
     limit: int = 0                   # problems (prompts) per task, in the data set's order; 0: all
+    problems: list[int] | None = None  # --problems: these problems by number (HumanEval/N), before --limit; None: all
     quality: str = "all"             # the levels besides plain: all, or a list such as exact,0.9
+    guards: list[ExitGuard] = field(default_factory=list)  # --guard: each lossy level is also run under each
     prompt_set: str = "all"          # the loglik task's prompts: a built-in set or a .jsonl file
     tokens: int = humaneval.MAX_TOKENS  # the most tokens of an answer
     threads: int = field(default_factory=default_threads)
@@ -60,8 +65,9 @@ class Item:
 @dataclass(frozen=True)
 class Level:
     setting: str | float | None  # PLAIN, or the pack's quality (None: a pack without levels)
-    name: str                    # plain, exact, or the lossy level's agreement
+    name: str                    # plain, exact, or the lossy level's agreement (and its guard: 0.9+words)
     exact: bool                  # the engine emits the full model's own tokens, drafts verified
+    guard: ExitGuard = NO_GUARD
 
 
 @dataclass
@@ -80,13 +86,34 @@ def parse_tasks(spec: str) -> list[str]:
     return list(dict.fromkeys(tasks))
 
 
+def parse_problems(spec: str) -> list[int]:
+    """Problem numbers from a comma list of numbers and inclusive ranges, as `64-163` or `0-9,22,28`; in the
+    order given, each once."""
+    numbers: list[int] = []
+    for part in (p.strip() for p in spec.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
+        if not match or (match[2] is not None and int(match[2]) < int(match[1])):
+            raise SpecEEError(f"--problems {spec!r}: expected numbers and ranges such as 64-163 or 0-9,22")
+        first = int(match[1])
+        numbers.extend(range(first, int(match[2] or first) + 1))
+    return list(dict.fromkeys(numbers))
+
+
+def pick_problems(rows: Sequence, problems: list[int] | None, limit: int) -> list[tuple[int, object]]:
+    """(number, row) of the rows `problems` names (all if None), then the first `limit` of them (0: all)."""
+    numbers = range(len(rows)) if problems is None else problems
+    if missing := [n for n in numbers if n >= len(rows)]:
+        raise SpecEEError(f"--problems: there are {len(rows)} problems (0-{len(rows) - 1}), not {missing[0]}")
+    picked = [(n, rows[n]) for n in numbers]
+    return picked[:limit] if limit > 0 else picked
+
+
 def task_items(task: str, config: EvalConfig) -> list[Item]:
     if task == HUMANEVAL:
-        problems = humaneval.load_problems()
-        problems = problems[: config.limit] if config.limit > 0 else problems
-        return [Item(p.task_id, humaneval.user_message(p), p) for p in problems]
-    prompts = pick_prompts(bench_prompts(config.prompt_set), config.limit)
-    return [Item(f"{p.category}/{i}", p.text) for i, p in enumerate(prompts)]
+        return [Item(p.task_id, humaneval.user_message(p), p)
+                for _, p in pick_problems(humaneval.load_problems(), config.problems, config.limit)]
+    prompts = pick_prompts(bench_prompts(config.prompt_set), 0)
+    return [Item(f"{p.category}/{i}", p.text) for i, p in pick_problems(prompts, config.problems, config.limit)]
 
 
 def levels_to_run(engine: Engine, spec: str) -> list[float | None]:
@@ -101,7 +128,8 @@ def levels_to_run(engine: Engine, spec: str) -> list[float | None]:
     return [EXACT_QUALITY]
 
 
-def use_level(engine: Engine, level: str | float | None) -> None:
+def use_level(engine: Engine, level: str | float | None, guard: ExitGuard = NO_GUARD) -> None:
+    engine.set_guard(guard)
     if level == PLAIN:
         engine.set_early_exit(False)
         return
@@ -119,6 +147,13 @@ def engine_level(engine: Engine, setting: str | float | None) -> Level:
     return Level(setting, quality_name(quality) if quality is not None else "pack", engine.exact)
 
 
+def with_guarded(levels: Sequence[Level], guards: Sequence[ExitGuard]) -> list[Level]:
+    """Each lossy level followed by itself under each guard."""
+    return [variant for level in levels for variant in
+            ([level] if level.exact or level.setting == PLAIN else
+             [level, *(dataclasses.replace(level, name=f"{level.name}+{g.name}", guard=g) for g in guards if g.on)])]
+
+
 def run_eval(config: EvalConfig, reporter: Reporter = Silent()) -> EvalResult:
     start = time.perf_counter()
     if HUMANEVAL in config.tasks and not config.run_code:
@@ -131,7 +166,8 @@ def run_eval(config: EvalConfig, reporter: Reporter = Silent()) -> EvalResult:
     try:
         if config.store and engine.pack_path is None:
             raise SpecEEError(f"--store keeps the figures beside the pack, and {config.model.name} has none")
-        levels = [engine_level(engine, setting) for setting in [PLAIN, *levels_to_run(engine, config.quality)]]
+        settings = [PLAIN, *levels_to_run(engine, config.quality)]
+        levels = with_guarded([engine_level(engine, setting) for setting in settings], config.guards)
         tasks = [run_task(engine, task, items[task], levels, config, reporter) for task in config.tasks]
         pack_path = engine.pack_path
     finally:
@@ -170,7 +206,7 @@ def run_task(engine: Engine, task: str, items: Sequence[Item], levels: Sequence[
     advance = reporter.task(f"{task}: decoding", len(items) * len(levels))
     for i, prompt in enumerate(prompts):
         for level in levels:
-            use_level(engine, level.setting)
+            use_level(engine, level.setting, level.guard)
             engine.reset()
             answers[level.name].append(decode(engine, prompt, config, i))
             advance(1)
