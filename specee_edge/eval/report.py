@@ -56,7 +56,9 @@ class LevelResult:
     divergences: int | None = None  # exact mode: answers that depart from plain's
     near_ties: int | None = None  # ... at a position where plain's top two logits differ by under 0.25
     largest_divergence_margin: float | None = None
-    unchanged: bool | None = None  # exact mode: every divergence is a near-tie
+    # exact mode, greedy: answers that are not llama.cpp's own evaluation of their rounds (bench.quality.batched_replay)
+    off_replay: int | None = None
+    unchanged: bool | None = None  # exact mode: greedy, off_replay is 0; sampled, every divergence is a near-tie
 
 
 @dataclass
@@ -108,10 +110,14 @@ def signed(value: float, interval: tuple[float, float] | None) -> str:
 
 
 def same_cell(level: LevelResult) -> str:
-    """Answers token for token plain's; for exact mode, whether it is unchanged but for near-ties."""
+    """Answers token for token plain's; for exact mode, whether it is unchanged: greedy, every answer llama.cpp's own
+    evaluation of its batches; sampled, every divergence a near-tie."""
     text = f"{level.identical:.2f}"
     if not level.exact or not level.divergences:
         return text + ("\nunchanged" if level.exact else "")
+    if level.off_replay is not None:
+        return text + (f"\nunchanged:\n{level.divergences} batch\nnear-ties" if level.unchanged else
+                       f"\nCHANGED:\n{level.off_replay} off\nllama.cpp")
     beyond = level.divergences - level.near_ties
     return text + (f"\nunchanged:\n{level.near_ties} near-ties" if level.unchanged else
                    f"\nCHANGED:\n{beyond} beyond\nnear-ties")
@@ -148,8 +154,10 @@ def task_tables(result: EvalResult, task: TaskResult) -> list[Table]:
                           if code else "")]
     notes.append("log-lik: the full model's mean log-probability per answer token, teacher forced; repeated: share of "
                  "answer tokens inside a 4-gram the answer already said, (answers at least half repeated): loops "
-                 "score well on log-lik; exact mode is unchanged when its answers are plain's but for divergences "
-                 "where plain's top two logits differ by under 0.25")
+                 "score well on log-lik; exact mode is unchanged when, greedy, every answer is llama.cpp's own "
+                 "evaluation of its verification batches (a divergence from plain is then the batch kernels' "
+                 "arithmetic at a near-tie), or, sampled, every divergence is where plain's top two logits differ by "
+                 "under 0.25")
     if task.limits:
         notes.append(f"each program ran in a child process: {task.limits}")
     answers.caption = "; ".join(notes)

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from specee_edge.bench.quality import LOOP_SHARE, NEAR_TIE, divergence_margins, repetition
+from specee_edge.bench.quality import LOOP_SHARE, NEAR_TIE, batched_replay, divergence_margins, repetition
 from specee_edge.bench.run import ENGINE_CTX, Reporter, Silent, bench_qualities, pick_prompts
 from specee_edge.bench.runner import prompt_sampling
 from specee_edge.data.prompts import bench_prompts
-from specee_edge.engine import AUTO, GREEDY, Engine, EngineConfig
+from specee_edge.engine import AUTO, GREEDY, Engine, EngineConfig, TokenRecord
 from specee_edge.engine.guard import NO_GUARD, ExitGuard
 from specee_edge.engine.sampling import SamplingParams
 from specee_edge.errors import SpecEEError
@@ -76,6 +76,7 @@ class Answer:
     text: str
     decode_s: float  # the engine's decode time: the prompt (and the token drawn from it) excluded
     n_decode: int
+    records: list[TokenRecord]  # exact mode's say which rows each verification batch held (batched_replay)
 
 
 def parse_tasks(spec: str) -> list[str]:
@@ -190,7 +191,7 @@ def task_figures(result: EvalResult, task: TaskResult) -> TaskFigures:
 def decode(engine: Engine, prompt: list[int], config: EvalConfig, index: int) -> Answer:
     records = list(engine.stream(prompt, max_tokens=config.tokens, sampling=prompt_sampling(config.sampling, index)))
     return Answer([r.id for r in records], "".join(r.text for r in records), engine.stats.decode_s,
-                  engine.stats.n_decode)
+                  engine.stats.n_decode, records)
 
 
 def run_task(engine: Engine, task: str, items: Sequence[Item], levels: Sequence[Level], config: EvalConfig,
@@ -225,6 +226,10 @@ def run_task(engine: Engine, task: str, items: Sequence[Item], levels: Sequence[
             plain_tokens = [a.tokens for a in answers[PLAIN]]
             margins = {level.name: divergence_margins(ctx, prompts, plain_tokens, [a.tokens for a in answers[level.name]])
                        for level in levels if level.exact}
+            # greedy: exact mode's answers against llama.cpp's own evaluation of their rounds (must all be equal)
+            off_replay = {level.name: sum(batched_replay(ctx, prompt, a.records) != a.tokens
+                                          for prompt, a in zip(prompts, answers[level.name]))
+                          for level in levels if level.exact and config.sampling.greedy}
     finally:
         ctx.close()
 
@@ -240,7 +245,7 @@ def run_task(engine: Engine, task: str, items: Sequence[Item], levels: Sequence[
                       passed=outcomes[name][i].passed if outcomes else None,
                       outcome=outcomes[name][i].reason if outcomes else None)
                for i, item in enumerate(items) for name in names]
-    results = [level_result(name, samples, answers, log_likelihoods, outcomes, margins.get(name))
+    results = [level_result(name, samples, answers, log_likelihoods, outcomes, margins.get(name), off_replay.get(name))
                for name in names]
     return TaskResult(task=task, problems=len(items), prompt_set=config.prompt_set if task == LOGLIK else None,
                       levels=results, limits=applied.describe() if applied else None, samples=samples)
@@ -264,7 +269,7 @@ def test_answers(items: Sequence[Item], answers: dict[str, list[Answer]], applie
 
 def level_result(name: str, samples: Sequence[Sample], answers: dict[str, list[Answer]],
                  log_likelihoods: dict[str, list[float]], outcomes: dict[str, list],
-                 margins: list[float] | None) -> LevelResult:
+                 margins: list[float] | None, off_replay: int | None) -> LevelResult:
     """One level's figures; beside plain's, each difference paired over the problems with its 95% interval."""
     mine, plain = answers[name], answers[PLAIN]
     decode_s = np.array([a.decode_s for a in mine])
@@ -293,5 +298,7 @@ def level_result(name: str, samples: Sequence[Sample], answers: dict[str, list[A
         result.divergences = len(margins)
         result.near_ties = sum(m < NEAR_TIE for m in margins)
         result.largest_divergence_margin = max(margins, default=None)
-        result.unchanged = result.divergences == result.near_ties
+        result.off_replay = off_replay
+        # greedy: unchanged when every answer is llama.cpp's own evaluation of its rounds; sampled: the near-tie rule
+        result.unchanged = off_replay == 0 if off_replay is not None else result.divergences == result.near_ties
     return result
