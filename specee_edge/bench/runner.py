@@ -69,19 +69,38 @@ def decode_rest(tokens: list[int], step: Callable[[int], int], max_tokens: int, 
         tokens.append(watch.step(timing, lambda: step(tokens[-1])))
 
 
-class VanillaLane:
+def decode_answer(lane: AnswerLane, draw: Sampler, handle, step: Callable[[int], int],
+                  watch: Stopwatch) -> None:
+    """A lane's answer after its prompt pass, drawn by `draw` from the llama.cpp context `handle`: its first token
+    from the prompt's logits, then decode_rest; the answer goes to lane.outputs and the sampler is closed."""
+    try:
+        tokens = [draw.from_context(handle)]
+        lane.outputs.append(tokens)
+        decode_rest(tokens, step, lane.max_tokens, lane.is_eog, lane.timing, watch)
+    finally:
+        draw.close()
+
+
+class AnswerLane:
+    """What every lane that answers a token at a time keeps: its limits, its draw, its timing and its answers."""
+
+    def __init__(self, max_tokens: int, is_eog: Callable[[int], bool], sampling: SamplingParams = GREEDY):
+        self.max_tokens = max_tokens
+        self.is_eog = is_eog
+        self.sampling = sampling
+        self.timing = Timing()
+        self.outputs: list[list[int]] = []  # generated tokens, one list per prompt
+
+
+class VanillaLane(AnswerLane):
     """The stock llama-cpp-python path: Llama.eval one token at a time; times eval, the draw, the token's text and
     the stop-string matching. Greedy, or sampled by the engine's sampler, llama.cpp's chain (seeded per prompt)."""
 
     name = LLAMA_CPP_PYTHON
 
     def __init__(self, llm: Llama, max_tokens: int, is_eog: Callable[[int], bool], sampling: SamplingParams = GREEDY):
+        super().__init__(max_tokens, is_eog, sampling)
         self.llm = llm
-        self.max_tokens = max_tokens
-        self.is_eog = is_eog
-        self.sampling = sampling
-        self.timing = Timing()
-        self.outputs: list[list[int]] = []  # generated tokens, one list per prompt
 
     def answer(self, prompt: Sequence[int], watch: Stopwatch) -> None:
         self.timing.begin_prompt()
@@ -96,15 +115,10 @@ class VanillaLane:
             self.llm.eval([token])  # on an asynchronous backend (RPC workers, a GPU) this returns before the step has
             return draw.from_context(self.llm.ctx)  # run: reading the logits waits for it, timed too
 
-        try:
-            tokens = [draw.from_context(self.llm.ctx)]
-            self.outputs.append(tokens)
-            decode_rest(tokens, step, self.max_tokens, self.is_eog, self.timing, watch)
-        finally:
-            draw.close()
+        decode_answer(self, draw, self.llm.ctx, step, watch)
 
 
-class ContextLane:
+class ContextLane(AnswerLane):
     """The floor of our Python path: the runtime's Context, early exit never enabled, a token at a time with the
     engines' draw (Sampler: a numpy argmax greedy, llama.cpp's chain sampled), nothing else: no text, no stop
     strings, no statistics."""
@@ -112,12 +126,8 @@ class ContextLane:
     name = "specee-edge Context (bare)"
 
     def __init__(self, ctx: Context, max_tokens: int, is_eog: Callable[[int], bool], sampling: SamplingParams = GREEDY):
+        super().__init__(max_tokens, is_eog, sampling)
         self.ctx = ctx
-        self.max_tokens = max_tokens
-        self.is_eog = is_eog
-        self.sampling = sampling
-        self.timing = Timing()
-        self.outputs: list[list[int]] = []
 
     def answer(self, prompt: Sequence[int], watch: Stopwatch) -> None:
         self.timing.begin_prompt()
@@ -129,15 +139,10 @@ class ContextLane:
             self.ctx.decode([token])  # waits for the step on any backend
             return draw.from_context(self.ctx.handle)
 
-        try:
-            tokens = [draw.from_context(self.ctx.handle)]
-            self.outputs.append(tokens)
-            decode_rest(tokens, step, self.max_tokens, self.is_eog, self.timing, watch)
-        finally:
-            draw.close()
+        decode_answer(self, draw, self.ctx.handle, step, watch)
 
 
-class PeerLane:
+class PeerLane(AnswerLane):
     """What a user would pick instead: llama-cpp-python's own lossless speculative decoding with prompt lookup
     (Llama(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=2)), its README's setting for CPU-only
     machines), through Llama.generate with llama.cpp's sampler chain; a step is one next() of it."""
@@ -151,11 +156,7 @@ class PeerLane:
         self.llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
                          draft_model=LlamaPromptLookupDecoding(num_pred_tokens=2), logits_all=True, verbose=False,
                          **(llama_kwargs or {}))
-        self.max_tokens = max_tokens
-        self.is_eog = is_eog
-        self.sampling = sampling
-        self.timing = Timing()
-        self.outputs: list[list[int]] = []
+        super().__init__(max_tokens, is_eog, sampling)
 
     def answer(self, prompt: Sequence[int], watch: Stopwatch) -> None:
         s = prompt_sampling(self.sampling, len(self.outputs))
