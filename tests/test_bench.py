@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from specee_edge.bench.quality import repetition
 from specee_edge.bench.report import LLAMA_CPP_PYTHON
 from specee_edge.bench.run import NO_PACK, EngineSpec, bench_qualities, pick_prompts
-from specee_edge.bench.runner import ContextLane, VanillaLane
+from specee_edge.bench.runner import ContextLane, Stopwatch, VanillaLane
 from specee_edge.data.prompts import Prompt, bench_prompts
 from specee_edge.cli import app
 from specee_edge.engine import DEFAULT_KV_MODE, GREEDY, Engine, EngineConfig, GenerationStats
@@ -274,9 +274,7 @@ def test_vanilla_lane_is_stock_greedy(default_model):
         if len(stock) == 12 or default_model.is_eog(token):
             break
     lane = VanillaLane(llm, 12, default_model.is_eog)
-    lane.start(prompt)
-    while (token := lane.next_input()) is not None:
-        lane.step(token)
+    lane.answer(prompt, Stopwatch())
     assert lane.outputs == [stock]
     assert lane.timing.steps == len(stock) - 1
 
