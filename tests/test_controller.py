@@ -412,3 +412,56 @@ def test_batches_are_priced_by_the_kind_of_round_that_ran_them():
     assert controller._batches(Choice.EXIT) is controller.batches[Choice.LOOKUP]  # none of its own yet
     controller.batches[Choice.EXIT].add(4, 30.0)
     assert controller._batches(Choice.EXIT).curve(3, 10.0)[3] > controller._batches(Choice.LOOKUP).curve(3, 10.0)[3]
+
+
+def test_plain_rounds_reuse_drafting_prices_and_plan_as_if_priced_afresh(monkeypatch):
+    """Most rounds are plain steps: a kept drafting price, where still a lower bound of the price computed now, lets
+    plain decoding win without computing the batch curve again. Two controllers fed the same rounds, one always
+    pricing afresh, plan every round alike; the first computes fewer prices. Lookup offers 0-8 drafts after
+    matches of every length; at first a batch of r rows costs 19 + 2 (r - 2) ms against a 10 ms step and a draft is
+    right 30 % of the time (drafting loses), then drafts turn right 85 % of the time, then batches get cheap
+    (11 + (r - 2) ms): a price kept past either change would keep plain decoding where drafting now pays."""
+    rng = random.Random(3)
+    reusing, fresh = Controller(), Controller()
+    best = Controller._best
+    monkeypatch.setattr(fresh, "_best", lambda choice, m, greedy, match=0, reuse=False: best(fresh, choice, m, greedy,
+                                                                                             match, reuse=False))
+    computed = {id(reusing): 0, id(fresh): 0}
+    prices = Controller._prices
+
+    def counted(self, *args):
+        computed[id(self)] += 1
+        return prices(self, *args)
+
+    monkeypatch.setattr(Controller, "_prices", counted)
+    chosen_kinds = set()
+    for request in range(6):
+        reusing.begin_request(), fresh.begin_request()
+        p_right = 0.3 if request < 2 else 0.85
+        last = 0  # the text's token k is k; a wrong draft is -1
+        while last < 150:
+            lookup = rng.choice([0, 1, 2, 3, 8])
+            match = rng.choice([1, 2, 4, 8]) if lookup else 0
+            right = 0
+            while right < lookup and rng.random() < p_right:
+                right += 1
+            offered = [last + 1 + j if j < right else -1 for j in range(lookup)]
+            plans = [plan(c, lookup=lookup, match=match, exits=2) for c in (reusing, fresh)]
+            assert plans[0] == plans[1], (request, last)
+            chosen = plans[0]
+            chosen_kinds.add(chosen.choice)
+            if chosen.choice == Choice.PLAIN:
+                outcome = Outcome(chosen, emitted=1, ms=10.0)
+            else:
+                accepted = min(right, chosen.drafts) if chosen.choice == Choice.LOOKUP else 0
+                batch = (19.0 + 2.0 * (chosen.drafts - 1)) if request < 4 else (11.0 + chosen.drafts - 1)
+                steps = (8.0,) * chosen.drafts if chosen.choice == Choice.EXIT else ()
+                outcome = Outcome(chosen, emitted=accepted + 1, ms=batch + sum(steps), drafts=chosen.drafts,
+                                  accepted=accepted, batch_ms=batch, draft_step_ms=steps)
+            for c in (reusing, fresh):
+                c.observe(outcome)
+                c.watch_lookup(chosen, offered, list(range(last + 1, last + 1 + outcome.emitted)), greedy=True,
+                               match=match)
+            last += outcome.emitted
+    assert Choice.LOOKUP in chosen_kinds
+    assert computed[id(reusing)] < 0.75 * computed[id(fresh)], computed

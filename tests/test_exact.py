@@ -154,7 +154,7 @@ def test_the_exact_level_round_trips_and_is_checked(tmp_path):
 
 # --- the engine's rounds --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("lane", ["engine", "auto_engine"])
+@pytest.mark.parametrize("lane", ["engine", pytest.param("auto_engine", marks=pytest.mark.slow)])
 def test_greedy_exact_mode_is_vanillas_answer_up_to_near_ties(lane, request):
     """Every answer equals vanilla greedy's, or departs where vanilla's top two logits nearly tie (batched graphs
     take other kernels); the rounds draft, accept, correct and finish with bonuses."""
@@ -240,6 +240,26 @@ def test_lookup_continues_the_latest_occurrence_of_the_longest_suffix():
     assert index.continuation(0) == Continuation([], 3)
     assert PromptLookup(max_n=3).continuation(2) == Continuation([], 0) and Continuation([], 0).bucket == 0
     assert [match_bucket(n) for n in (1, 2, 3, 4, 7, 8, 12)] == [1, 2, 2, 4, 4, 8, 8]
+
+
+def test_lookup_after_a_token_equals_extending_the_index_and_leaves_it_as_it_was():
+    """continuation_after (what exact mode asks at every round) against extend, continuation, truncate, on random
+    contexts over small vocabularies (many repeats and runs, where a match can end at the last token)."""
+    import random
+
+    from specee_edge.draft.lookup import PromptLookup
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        index = PromptLookup(max_n=rng.choice([1, 3, 8]))
+        index.extend(rng.randrange(rng.choice([2, 3, 50])) for _ in range(rng.randrange(40)))
+        token, limit = rng.randrange(3), rng.randrange(10)
+        tokens, ends = list(index.tokens), repr(index._ends)
+        found = index.continuation_after(token, limit)
+        assert index.tokens == tokens and repr(index._ends) == ends
+        index.extend([token])
+        assert found == index.continuation(limit), (tokens, token, limit)
+        index.truncate(len(tokens))
 
 
 def test_a_lossy_level_would_change_the_answers_exact_mode_keeps(engine, exact_pack):
@@ -330,6 +350,7 @@ def test_sampling_with_a_seed_repeats(engine):
     assert first.tokens == again.tokens and first.stats.rounds > 0
 
 
+@pytest.mark.slow
 def test_exact_sampling_keeps_the_full_models_token_frequencies(engine):
     """On a fixed prompt, three-token replies are as frequent as vanilla's (seeds differ between the lanes: no
     coupling), their second and third tokens drawn in verification batches."""
@@ -534,7 +555,7 @@ def test_switching_to_the_exact_level_reads_its_exit_prior(default_model, tmp_pa
         engine.close()
 
 
-@pytest.mark.parametrize("lane", ["engine", "auto_engine"])
+@pytest.mark.parametrize("lane", ["engine", pytest.param("auto_engine", marks=pytest.mark.slow)])
 def test_greedy_exact_mode_is_llama_cpps_own_batched_evaluation_token_for_token(lane, request):
     """Defined against llama.cpp itself: replaying an answer's rounds on a plain context (each single step alone,
     each verification batch as one batch of its rows, rejected rows dropped) gives exactly the answer's tokens:

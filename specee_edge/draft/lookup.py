@@ -102,6 +102,27 @@ class PromptLookup:
         end, n = match
         return Continuation(self.tokens[end + 1 : end + 1 + limit], n)
 
+    def continuation_after(self, token: int, limit: int) -> Continuation:
+        """continuation(limit) of the context with `token` appended, the index left as it is: exact mode asks this at
+        every round, and extending and truncating the index there cost more than the match itself."""
+        tokens_ = self.tokens
+        p = len(tokens_)  # where `token` would go
+        for n in range(min(self.max_n, p + 1), 0, -1):
+            suffix = (*tokens_[p - n + 1 :], token)
+            # the latest earlier occurrence: one ending at the last token (followed by `token` itself), else the index's
+            if n <= p and tuple(tokens_[p - n : p]) == suffix:
+                end = p - 1
+            else:
+                ends = self._ends[n].get(suffix)
+                if not ends:
+                    continue
+                end = ends[-1]
+            found = tokens_[end + 1 : end + 1 + limit]
+            if len(found) < limit and end + 1 + len(found) == p:  # the copy runs into `token`
+                found.append(token)
+            return Continuation(found, n)
+        return Continuation([], 0)
+
     def _match(self, max_n: int) -> tuple[int, int] | None:
         """The longest suffix of up to max_n tokens that occurred before: where its latest earlier occurrence ends,
         and its length."""
@@ -128,8 +149,6 @@ def lookup_drafts(index: PromptLookup, token: int, limit: int, is_eog: Callable[
     """Exact mode's lookup drafts after `token` (the last emitted token, not in `index` yet): up to `limit` tokens
     that followed the latest earlier occurrence of the context's longest matching suffix, cut after an end of
     generation (nothing is ever decoded past one). `index` is left as it was."""
-    index.extend([token])
-    found = index.continuation(limit)
-    index.truncate(len(index) - 1)
+    found = index.continuation_after(token, limit)
     end = next((i for i, t in enumerate(found.tokens) if is_eog(t)), None)
     return found if end is None else Continuation(found.tokens[: end + 1], found.matched)

@@ -46,6 +46,14 @@ length win, as DEL picks a speculation length per context from the acceptance it
   waits twice as long for the next one, at most MAX_EXPLORE_WAIT rounds. What they cost is counted
   (explore_ms).
 
+- Most rounds are plain steps, and between two of them little moves: the plain step's median, and acceptance,
+  which shadow rounds lower with each rejection. So a drafting choice's price is kept with what it was computed
+  from, and while it is still a lower bound of the price computed now (acceptance no higher, the same batch
+  measurements, a plain step within REPRICE_SHARE), plain decoding that beats it needs no new price; a round in
+  which drafting might win or an exploration might be due is priced afresh. Where the plain step's cost holds
+  still, the plans are exactly those of pricing every round afresh (tests/test_controller.py checks it round by
+  round); where it moved, a kept price stands for one computed with a plain step up to 2 % off.
+
 `always_draft` replaces the choice with classic speculative decoding's: draft at every chance, as many as allowed
 (lookup where the context matches, else exits), which is what llama.cpp's speculation does; still measured.
 """
@@ -71,6 +79,7 @@ EXPLORE_WAIT = 16           # rounds a choice waits before it is tried again
 MAX_EXPLORE_WAIT = 256
 EXPLORE_SHARE = 0.02        # of the decoding time, what explorations may spend beyond the choices they displace
 EXPLORE_CARRY = 8.0         # plain steps' worth of exploration budget a request hands to the next at most
+REPRICE_SHARE = 0.02        # a kept drafting price holds while the plain step's cost moves less than this share
 
 
 class Choice(str, Enum):
@@ -138,9 +147,11 @@ class BatchCosts:
     """A verification batch's time (with its rows' sampling) by row count."""
 
     by_rows: dict[int, RecentCost] = field(default_factory=dict)
+    version: int = 0  # counts the measurements: a price computed from the curve holds while it is unchanged
 
     def add(self, rows: int, ms: float, at: int = -1) -> None:
         self.by_rows.setdefault(rows, RecentCost()).add(ms, at)
+        self.version += 1
 
     def measured_at(self, rows: int) -> int:
         """When a batch of `rows` rows was last measured (-1: never)."""
@@ -200,6 +211,28 @@ class AcceptanceCount:
         return self.accepted / seen if seen > 0 else default
 
 
+@dataclass(frozen=True)
+class PricingInputs:
+    """What a drafting choice's price was computed from."""
+
+    acceptance: float
+    batches: int            # id() of the BatchCosts that priced it
+    batches_version: int
+    regraph_ms: float
+    plain_ms: float
+    exit_terms: tuple       # exit rounds: the drafting and full step's cost, the share of first steps that exit
+
+    def bounds(self, now: PricingInputs) -> bool:
+        """Whether a price computed from these inputs, lowered by REPRICE_SHARE, is at most the price computed from
+        `now`: acceptance no higher (a price falls only as acceptance rises), the same batch measurements and exit
+        terms, a regraph no cheaper, and a plain step within REPRICE_SHARE of this one (the batch curve starts at a
+        plain step)."""
+        return (now.acceptance <= self.acceptance and now.batches == self.batches
+                and now.batches_version == self.batches_version and now.regraph_ms >= self.regraph_ms
+                and now.exit_terms == self.exit_terms
+                and abs(now.plain_ms - self.plain_ms) <= REPRICE_SHARE * self.plain_ms)
+
+
 def accept_key(choice: Choice, greedy: bool, match: int) -> str:
     """An acceptance count's name in the snapshot: "lookup after 4+/greedy" (match 0: every round of the kind)."""
     return f"{choice.value}{f' after {match}+' if match else ''}/{'greedy' if greedy else 'sampled'}"
@@ -240,6 +273,9 @@ class Controller:
         self._shadow_matched = 0         # ... how many of them the tokens decoded since have equalled
         self._shadow_bucket = 0          # ... the bucket of the match they were copied after
         self._after_batch = False        # the last round ran a verification batch
+        # each drafting choice's last computed best (draft length, price) by (choice, longest, greedy, match), with
+        # what it was computed from
+        self._kept_prices: dict[tuple, tuple[PricingInputs, tuple[int, float]]] = {}
 
     # --- a request ---------------------------------------------------------------------------
 
@@ -312,11 +348,54 @@ class Controller:
             prices.append((q * drafting + (1 - q) * not_drafting) / (q * tokens + (1 - q)))
         return prices
 
-    def _best(self, choice: Choice, max_drafts: int, greedy: bool, match: int = 0) -> tuple[int, float]:
-        """The draft length with the lowest price for `choice`, and that price."""
+    def _best(self, choice: Choice, max_drafts: int, greedy: bool, match: int = 0,
+              reuse: bool = False) -> tuple[int, float]:
+        """The draft length with the lowest price for `choice`, and that price (computed, and kept for reuse).
+
+        reuse: a drafting choice's kept price, lowered by REPRICE_SHARE, where it is still a lower bound of what
+        computing it now would give (PricingInputs.bounds), else the price computed now. A plan in which plain
+        decoding beats such bounds is the plan computed afresh; most rounds are plain steps between which only
+        rejections and the plain step's median have moved, and a rejection never makes drafting cheaper."""
+        if choice == Choice.PLAIN:
+            return 0, self.plain.value
+        key = (choice, max_drafts, greedy, match)
+        now = self._pricing_inputs(choice, greedy, match)
+        kept = self._kept_prices.get(key)
+        if reuse and kept is not None and kept[0].bounds(now):
+            m, price = kept[1]
+            return m, price * (1 - REPRICE_SHARE)
         prices = self._prices(choice, max_drafts, greedy, match)
         m = min(range(len(prices)), key=prices.__getitem__)
+        self._kept_prices[key] = (now, (m, prices[m]))
         return m, prices[m]
+
+    def _pricing_inputs(self, choice: Choice, greedy: bool, match: int) -> PricingInputs:
+        batches = self._batches(choice)
+        exit_terms = ((*self._exit_step_ms(), self.first_exits.value, self.exit_prior.exit_share)
+                      if choice == Choice.EXIT else ())
+        return PricingInputs(self.acceptance(choice, greedy, match), id(batches), batches.version,
+                             max(self.regraph.value or 0.0, 0.0), self.plain.value, exit_terms)
+
+    def _options(self, longest: dict[Choice, int], match: dict[Choice, int], greedy: bool,
+                 reuse: bool) -> tuple[dict[Choice, tuple[int, float]], Choice]:
+        """Each choice's best (draft length, price), and the cheapest choice."""
+        options = {choice: self._best(choice, m, greedy, match.get(choice, 0), reuse) for choice, m in longest.items()}
+        return options, min(options, key=lambda c: options[c][1])
+
+    def _exploration_may_be_due(self, choices) -> bool:
+        """Whether plan() could explore one of `choices` (drafting choices, plain decoding being the best) this round:
+        one has waited its turn and the budget covers the cheapest round it could take (a batch's least cost, held
+        to the plain step's, and the regraph)."""
+        plain = self.plain.value
+        regraph = max(self.regraph.value or 0.0, 0.0)
+        for choice in choices:
+            key = (choice, False)
+            if self._waited.get(key, 0) + 1 < self._wait.get(key, EXPLORE_WAIT):
+                continue
+            measured = [c.value for c in self._batches(choice).by_rows.values() if c.value is not None]
+            if min([plain, *measured]) + regraph - plain <= self._explore_budget:
+                return True
+        return False
 
     def _exit_step_ms(self) -> tuple[float, float]:
         """An exit round's drafting step that exited, and its first step when that ran every layer (guesses from a
@@ -362,8 +441,9 @@ class Controller:
         if exit_drafts >= 1:
             longest[Choice.EXIT] = exit_drafts
         match = {Choice.LOOKUP: lookup_match}
-        options = {choice: self._best(choice, m, greedy, match.get(choice, 0)) for choice, m in longest.items()}
-        best = min(options, key=lambda c: options[c][1])
+        options, best = self._options(longest, match, greedy, reuse=True)
+        if best != Choice.PLAIN or self._exploration_may_be_due([c for c in options if c != Choice.PLAIN]):
+            options, best = self._options(longest, match, greedy, reuse=False)
         best_drafts, best_price = options[best]
         chosen = Plan(best, best_drafts, best_price, best_ms_per_token=best_price, match=match.get(best, 0))
         self._waited[(best, False)] = 0

@@ -67,6 +67,7 @@ class Model:
             rpc.check_workers(self.workers)
             raise ModelLoadError(f"llama.cpp could not load {path} (corrupt, truncated or unsupported GGUF)")
         self._vocab = _llama.llama_model_get_vocab(self._model)
+        self._is_eog: dict[int, bool] = {}  # asked for every drafted token: a dict lookup, not a ctypes call
         self.info = ModelInfo(
             path=path,
             arch=self.meta("general.architecture") or "unknown",
@@ -125,7 +126,10 @@ class Model:
         return buf.raw[:n]
 
     def is_eog(self, token: int) -> bool:
-        return bool(_llama.llama_vocab_is_eog(self._vocab, token))
+        eog = self._is_eog.get(token)
+        if eog is None:
+            eog = self._is_eog[token] = bool(_llama.llama_vocab_is_eog(self._vocab, token))
+        return eog
 
     def eog_tokens(self) -> list[int]:
         """Every end-of-generation token of the vocabulary (EOS, end of turn, and the like)."""
