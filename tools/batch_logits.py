@@ -63,7 +63,7 @@ def main() -> None:
     engine = Engine(args.model, config=EngineConfig(n_ctx=1024, n_threads=args.threads))
     found = []
     for text in PROMPTS:
-        prompt = engine.tokenize(engine.format_prompt(text))
+        prompt = engine.prompt_tokens(text)
         engine.reset()
         found += compare(engine, prompt, engine.generate(prompt, max_tokens=args.tokens, sampling=GREEDY).tokens,
                          args.threads)

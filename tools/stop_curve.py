@@ -43,7 +43,7 @@ def main() -> int:
     engine = Engine(model_path, pack=args.pack or AUTO, config=EngineConfig(n_threads=args.threads))
     try:
         setup, k, n_layer = draft_setup(engine), engine.policy.k, engine.model.info.n_layer
-        prompt = engine.tokenize(engine.format_prompt(PROMPT))
+        prompt = engine.prompt_tokens(PROMPT)
         tokens = prompt + engine.generate(prompt, max_tokens=args.tokens, sampling=GREEDY).tokens
     finally:
         engine.close()

@@ -23,7 +23,7 @@ from specee_edge.bench.report import (LLAMA_CPP_PYTHON, TIME_PARTS, BenchResult,
                                       SampledResult)
 from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, DRAFT, PLAIN, LlamaServer, LlamaServerError, ServerLane,
                                             ServerSetup, lane_args)
-from specee_edge.bench.runner import ContextLane, Lane, PeerLane, SpecEELane, VanillaLane, feed, run_lanes
+from specee_edge.bench.runner import ContextLane, Lane, PeerLane, SpecEELane, VanillaLane, run_lanes
 from specee_edge.bootstrap import speedup_interval
 from specee_edge.data.prompts import Prompt, bench_prompts, heldout_text
 from specee_edge.engine import AUTO, DEFAULT_KV_MODE, Engine, EngineConfig, GenerationStats, TokenRecord
@@ -32,7 +32,7 @@ from specee_edge.engine.exit import find_pack
 from specee_edge.errors import SpecEEError
 from specee_edge.pack import EXACT_QUALITY, Pack, parse_quality, read_pack
 from specee_edge.runtime import Context, Model, placement, rpc
-from specee_edge.runtime.costs import DraftSetup, Timing, TokenCosts, cost_lanes
+from specee_edge.runtime.costs import DraftSetup, Timing, TokenCosts, cost_lanes, time_rounds
 from specee_edge.runtime.weights import TargetWeights
 from specee_edge.threads import default_threads
 
@@ -152,10 +152,6 @@ def draft_setup(engine: Engine) -> DraftSetup:
     return DraftSetup(engine.policy.draft.runtime_args(), (mlp.weights, mlp.biases))
 
 
-def prompt_tokens(engine: Engine, prompts: Sequence[Prompt]) -> list[list[int]]:
-    return [engine.tokenize(engine.format_prompt(p.text)) for p in prompts]
-
-
 def run_bench(config: BenchConfig, reporter: Reporter = Silent()) -> BenchResult:
     # numpy's BLAS single-threaded (the draft head, the oracle's capture), except in the logit lens:
     # idle BLAS workers spin and fight llama.cpp's threads for the cores (up to 100x slower decoding)
@@ -187,17 +183,18 @@ def open_servers(config: BenchConfig, names: Sequence[str], stack: ExitStack, dr
 
 def measure_costs(config: BenchConfig, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
                   engine: Engine, seq_ctx: int, reporter: Reporter) -> TokenCosts:
-    """The cost lanes, fed vanilla's greedy answers, in a pass of their own: the speed lanes decode as a user's
-    decoding would, without 16 more contexts evicting their caches between steps (in a micro-benchmark, 10 other
-    contexts in turns made a step of the default model 3.7 % dearer than alone)."""
-    lanes = cost_lanes(engine.model, draft_setup(engine), n_ctx=seq_ctx, n_threads=config.threads, k=engine.policy.k,
-                       flash_attn=config.flash_attn)
-    try:
-        feed(prompts, answers, lanes, reporter.task("costs", sum(len(answer) - 1 for answer in answers)))
-        return TokenCosts.fit([lanes])
-    finally:
-        for lane in lanes:
-            lane.ctx.close()
+    """The cost lanes, fed vanilla's greedy answers (every token but the last, which no step of its answer fed) in
+    a pass of their own, one round of calibration's procedure (runtime/costs.py time_rounds: the model loaded
+    afresh where the engine's layers are, a few untimed tokens first, the lanes in turns): the speed lanes decode
+    as a user's decoding would, without 16 more contexts evicting their caches between steps (in a micro-benchmark,
+    10 other contexts in turns made a step of the default model 3.7 % dearer than alone)."""
+    setup = draft_setup(engine)
+    make_lanes = lambda model: cost_lanes(model, setup, n_ctx=seq_ctx, n_threads=config.threads,  # noqa: E731
+                                          k=engine.policy.k, flash_attn=config.flash_attn)
+    fed = [([*prompt, *answer[:-1]], len(prompt)) for prompt, answer in zip(prompts, answers)]
+    advance = reporter.task("costs", sum(len(answer) - 1 for answer in answers))
+    return TokenCosts.fit(time_rounds(engine.model.info.path, make_lanes, fed, rounds=1, seed=0, advance=advance,
+                                      placement=engine.config.placement))
 
 
 @dataclass
@@ -307,7 +304,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     first = engines[0][1]
     model, n_layer, k = first.model, first.n_layer, first.policy.k if pack else 0
     selected = pick_prompts(bench_prompts(config.prompt_set), config.num_prompts)
-    prompts = prompt_tokens(first, selected)
+    prompts = [first.prompt_tokens(p.text) for p in selected]
     seq_ctx = max(map(len, prompts)) + config.tokens
     if seq_ctx > ENGINE_CTX:
         raise SpecEEError(f"a prompt and its answer ({seq_ctx} tokens) must fit {ENGINE_CTX}: lower --tokens")

@@ -226,16 +226,6 @@ class Lane(Protocol):
     def answer(self, prompt: Sequence[int], watch: Stopwatch) -> None: ...
 
 
-class FedLane(Protocol):
-    """A lane that decodes the tokens vanilla produced (teacher forcing): the cost lanes."""
-
-    timing: Timing
-
-    def start(self, prompt: Sequence[int]) -> None: ...
-
-    def step(self, token: int) -> None: ...
-
-
 @dataclass
 class PassLog:
     """What one decoding pass did: the lanes that failed (by index among the pass's lanes, 0 the reference), each
@@ -269,20 +259,6 @@ def run_lanes(prompts: Sequence[Sequence[int]], lanes: Sequence[Lane], rng: np.r
                 log.failed[i] = one_line(e)
             advance(1)
     return log
-
-
-def feed(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], lanes: Sequence[FedLane],
-         advance: Callable[[int], None] = lambda n: None, seed: int = 0) -> None:
-    """The cost lanes decode each prompt's answer (every token but the last, which no step of its answer fed) in
-    turns, a token each in a new random order at each token, as calibration's do (runtime/costs.py)."""
-    rng = np.random.default_rng(seed)
-    for prompt, answer in zip(prompts, answers):
-        for lane in lanes:
-            lane.start(prompt)
-        for token in answer[:-1]:
-            for i in rng.permutation(len(lanes)):
-                lanes[i].step(token)
-            advance(1)
 
 
 def one_line(error: BaseException) -> str:

@@ -218,16 +218,16 @@ def with_exact(pack: Pack, level: QualityLevel) -> Pack:
     return dataclasses.replace(pack, levels=[*lossy, level], default_quality=EXACT_QUALITY)
 
 
-def prompt_tokens(engine: Engine, prompts: Sequence[Prompt], part: Sequence[int], n: int) -> list[list[int]]:
+def part_tokens(engine: Engine, prompts: Sequence[Prompt], part: Sequence[int], n: int) -> list[list[int]]:
     """The first n prompts of a split's part, as the engine is prompted with them."""
-    return [engine.tokenize(engine.format_prompt(prompts[i].text)) for i in sorted(part)[:n]]
+    return [engine.prompt_tokens(prompts[i].text) for i in sorted(part)[:n]]
 
 
 def exact_prompts(engine: Engine, prompts_path: Path | None, seed: int, n: int) -> tuple[list[list[int]], list[list[int]]]:
     """Up to n prompts of the calibration split and n of the held-out split, as the pipeline splits them."""
     prompts = load_prompts(prompts_path)
     _, calibration, heldout = split(len(prompts), seed, CALIBRATION_SPLIT)
-    return prompt_tokens(engine, prompts, calibration, n), prompt_tokens(engine, prompts, heldout, n)
+    return part_tokens(engine, prompts, calibration, n), part_tokens(engine, prompts, heldout, n)
 
 
 def add_exact_level(model: Path, pack_path: Path, output: Path, *, prompts_path: Path | None = None, seed: int = 0,

@@ -35,7 +35,7 @@ from specee_edge.calibrate.budget import (COST_ANSWERS, COST_TOKENS, DEFAULT_SIZ
                                           RunSize, estimate, fit_minutes, given_up, size_of, with_sizes)
 from specee_edge.calibrate.collect import Collector, Shard, round_sampling, shard_path
 from specee_edge.calibrate.draft_fit import DRAFT_RIDGE, fit_draft
-from specee_edge.calibrate.exact import ExactReport, choose_exact, prompt_tokens, with_exact
+from specee_edge.calibrate.exact import ExactReport, choose_exact, part_tokens, with_exact
 from specee_edge.calibrate.levels import (LEVELS, LevelChoice, LevelSearch, check_with_engine, choose_levels,
                                           keep_promises, pays, shipped_quality, turned_off)
 from specee_edge.calibrate.predictor_fit import Probes, layer_features, probe_all, simulate, train_predictors
@@ -337,7 +337,7 @@ class Calibration:
                     kv_mode = engine.kv_mode
 
                 with progress.stage("exact", "runs", None) as advance:
-                    as_tokens = lambda part: prompt_tokens(engine, prompts, part, config.exact_prompts)  # noqa: E731
+                    as_tokens = lambda part: part_tokens(engine, prompts, part, config.exact_prompts)  # noqa: E731
                     # drafts are checked, so a level's exits may pay as drafts where they did not as answers: the
                     # candidates are the levels as chosen, before the ones that did not pay were turned off
                     exact, exact_report = choose_exact(engine, [choice.level for choice in choices],

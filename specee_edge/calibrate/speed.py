@@ -35,7 +35,7 @@ def _engine_speed(model: Path, prompt: Prompt, threads: int) -> tuple[float, flo
     """(seconds per plain token, seconds of the prompt's pass)."""
     engine = Engine(model, pack=None, config=EngineConfig(n_ctx=1024, n_threads=threads))
     try:
-        tokens = engine.tokenize(engine.format_prompt(prompt.text))
+        tokens = engine.prompt_tokens(prompt.text)
         engine.generate(tokens, max_tokens=4, sampling=GREEDY)  # builds the graphs once
         engine.reset()
         stats = engine.generate(tokens, max_tokens=PROBE_TOKENS, sampling=GREEDY).stats

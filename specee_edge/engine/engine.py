@@ -590,6 +590,10 @@ class Engine:
             return text + "\n\n"
         return self.format_chat([{"role": "user", "content": text}])
 
+    def prompt_tokens(self, text: str) -> list[int]:
+        """format_prompt(text), tokenized: what bench, eval and calibration decode after."""
+        return self.tokenize(self.format_prompt(text))
+
     def stream_chat(self, messages: list[dict], *, chat_template: str | None = None, **kwargs) -> Iterator[TokenRecord]:
         return self.stream(self.format_chat(messages, chat_template), **kwargs)
 

@@ -198,7 +198,7 @@ def run_task(engine: Engine, task: str, items: Sequence[Item], levels: Sequence[
              reporter: Reporter) -> TaskResult:
     """Each problem's answers at every level in turns (a change in machine speed hits them alike), each from an
     empty cache; then the scores."""
-    prompts = [engine.tokenize(engine.format_prompt(item.message)) for item in items]
+    prompts = [engine.prompt_tokens(item.message) for item in items]
     longest = max(map(len, prompts)) + config.tokens
     if longest > ENGINE_CTX:
         raise SpecEEError(f"a prompt and its answer ({longest} tokens) must fit {ENGINE_CTX}: lower -n/--n-predict")
