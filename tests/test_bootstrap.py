@@ -132,6 +132,7 @@ def coverage(rounds: int, measurements: int = 40) -> np.ndarray:
     return held / measurements
 
 
+@pytest.mark.slow
 def test_six_rounds_hold_the_true_costs_three_did_not():
     """What changes between rounds is seen only through the rounds: calibration's 6 must hold the true costs
     about as often as a 95% interval promises (0.97 of the time, averaged over the parts); 3 held them 0.87."""

@@ -154,6 +154,7 @@ def test_eval_needs_the_opt_in_to_run_code():
     assert result.exit_code == 1 and "unknown task" in result.output
 
 
+@pytest.mark.slow
 def test_eval_humaneval_on_the_default_model(tmp_path):
     """Two problems at plain, 0.9 and exact, the figures stored beside (a copy of) the shipped pack and shown by info."""
     out, samples, pack = tmp_path / "eval.json", tmp_path / "samples.jsonl", tmp_path / "smol.specee.gguf"

@@ -2,8 +2,9 @@
 per KV mode with the shipped pack and one with a multi-layer pack, invariants checked after every action
 (tests/fuzz_engine.py says which and why each is exact).
 
-Bounded by default: seed DEFAULT_SEED, DEFAULT_ACTIONS actions (about 85 s on 2 cores). Longer or other
-runs (`make fuzz` runs 20,000):
+`make test` runs SHORT_ACTIONS actions of seed SHORT_SEED (every invariant, no coverage check); the slow tier
+(`make test-slow`, which CI runs) seed DEFAULT_SEED, DEFAULT_ACTIONS actions (about 150 s on 2 cores), and checks
+that the run reached every action and event it is meant to test. Longer or other runs (`make fuzz` runs 20,000):
 
     SPECEE_FUZZ_ACTIONS=20000 SPECEE_FUZZ_SEED=7 pytest -q tests/test_fuzz.py
 
@@ -25,6 +26,8 @@ from tests.fuzz_engine import EngineFuzzer, FuzzFailure, write_multilayer_pack
 
 DEFAULT_ACTIONS = 2000
 DEFAULT_SEED = 14
+SHORT_ACTIONS = 300
+SHORT_SEED = 15
 SELF_TEST_ACTIONS = 400  # the planted defects below are caught within ~100 actions of seed 14
 
 
@@ -38,9 +41,8 @@ def multi_pack(default_model, tmp_path_factory):
     return write_multilayer_pack(default_model.info.path, tmp_path_factory.mktemp("fuzz") / "multi.specee.gguf")
 
 
-def test_engine_state_fuzz(default_model, multi_pack, capsys, record_property):
-    n_actions, seed = fuzz_settings()
-    fuzzer = EngineFuzzer(default_model.info.path, seed=seed, multi_pack=multi_pack)
+def run_fuzz(model_path, multi_pack, seed: int, n_actions: int, capsys, record_property) -> fuzz.Report:
+    fuzzer = EngineFuzzer(model_path, seed=seed, multi_pack=multi_pack)
     try:
         report = fuzzer.run(n_actions)
     finally:
@@ -50,6 +52,19 @@ def test_engine_state_fuzz(default_model, multi_pack, capsys, record_property):
     with capsys.disabled():
         print(f"\n{report.summary()}")
     assert report.actions == n_actions
+    return report
+
+
+def test_a_short_engine_state_fuzz(default_model, multi_pack, capsys, record_property):
+    """make test's run: fewer actions, every invariant checked after each; it must have decoded and switched."""
+    report = run_fuzz(default_model.info.path, multi_pack, SHORT_SEED, SHORT_ACTIONS, capsys, record_property)
+    assert report.kinds["chat"] > 0 and report.events["exact_rounds"] > 0 and report.events["twin_syncs"] > 0
+
+
+@pytest.mark.slow
+def test_engine_state_fuzz(default_model, multi_pack, capsys, record_property):
+    n_actions, seed = fuzz_settings()
+    report = run_fuzz(default_model.info.path, multi_pack, seed, n_actions, capsys, record_property)
     if n_actions >= DEFAULT_ACTIONS:
         # the run must have reached what it is meant to test, or passing says little
         ev, kinds = report.events, report.kinds
@@ -107,10 +122,11 @@ def resident_mb() -> float:
     raise RuntimeError("no VmRSS")
 
 
+@pytest.mark.slow
 def test_engines_opened_and_closed_in_a_loop_keep_memory_flat(default_model):
     """Each close frees the native context, the model and the pack's memory map at once (checked with the
     garbage collector off), and resident memory after many open/close cycles stays within 5 % of after
-    ten. `make fuzz` runs 200 cycles, make test 40."""
+    ten. `make fuzz` runs 200 cycles, the slow tier 40."""
     cycles = 200 if fuzz_settings()[0] > DEFAULT_ACTIONS else 40
     after = {}
     for cycle in range(1, cycles + 1):

@@ -149,6 +149,7 @@ def borrowed_packages(tmp_path: Path) -> Path:
     return farm
 
 
+@pytest.mark.slow
 def test_the_sdist_installs_and_generates_in_a_fresh_environment(tmp_path, build_env):
     wheel = build_runtime.cached_wheel(build_runtime.cache_root() / "wheels" / build_runtime.build_key()[:16])
     assert wheel is not None, "no cached runtime wheel for this configuration: run `make setup` first"

@@ -214,6 +214,7 @@ def test_a_server_that_cannot_start_is_one_line(setup, tmp_path):
     assert "\n" not in str(error.value) and "exited" in str(error.value)
 
 
+@pytest.mark.slow
 def test_bench_against_llama_server(binary, tmp_path):
     """A bench with llama-server plain (the baseline), a speculative type and a draft lane that cannot start:
     that lane is one line, the rest runs, greedy and sampled, every speed-up against llama-server plain."""

@@ -97,6 +97,7 @@ def compare_split(pack: Path, workers: str, layers: str) -> tuple[dict, list[int
     return result, exits
 
 
+@pytest.mark.slow
 def test_a_model_split_across_two_workers_answers_as_on_one_machine(workers, exact_pack):  # noqa: F811
     result, exits = compare_split(exact_pack, workers, str(N_GPU_LAYERS))
     first_remote = result["n_layer"] + 1 - N_GPU_LAYERS
@@ -120,6 +121,7 @@ def test_spec_ees_placement_puts_the_first_layers_on_the_workers_and_answers_as_
     assert any(il < on_workers for il in exits) and any(il >= on_workers for il in exits), exits
 
 
+@pytest.mark.slow
 def test_the_costs_price_each_side_of_the_first_layers_split(workers, exact_pack):  # noqa: F811
     """The cost lanes on SpecEE's placement over the workers stop on both sides of the split, and the fit prices
     the client's layers apart from the workers' and the crossing between them (the figures are printed: on

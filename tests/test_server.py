@@ -99,7 +99,7 @@ def exiting_server(tmp_path_factory) -> Iterator[Server]:
     assert server.proc.returncode == 0 and "Traceback" not in out, out
 
 
-@pytest.fixture(scope="module", params=["default level", "exiting level"])
+@pytest.fixture(scope="module", params=["default level", pytest.param("exiting level", marks=pytest.mark.slow)])
 def some_server(request) -> Server:
     """The streaming, cache, concurrency and disconnect tests run at both."""
     return request.getfixturevalue("server" if request.param == "default level" else "exiting_server")
@@ -545,6 +545,7 @@ def browser_paths() -> tuple[str, str] | None:
     return (chromium, driver) if chromium and driver else None
 
 
+@pytest.mark.slow
 def test_page_streams_and_colours_tokens(exiting_server: Server):
     # the loose level (threshold 0.3 everywhere): a shipped level's exits hang on near-ties that another CPU's
     # arithmetic can flip, and this test needs some token to have left early

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from specee_edge.default_model import default_model_path
 from specee_edge.runtime import KV_MODES, rpc
 from tests.test_rpc import free_port, start_worker, stop
@@ -37,6 +39,7 @@ def table_rows(out: str) -> list[list[str]]:
             if line.startswith("│")]
 
 
+@pytest.mark.slow
 def test_bench_runtime_runs_every_variant(tmp_path):
     """It asked a verified exit after the last layer (the pack's deepest predictor) and failed at once."""
     path = tmp_path / "runtime.json"
@@ -98,6 +101,7 @@ def test_bench_serve_times_generate_and_a_streaming_client():
     assert rows["generate"][4] == "1.000"
 
 
+@pytest.mark.slow
 def test_rpc_round_trip_times_checks_on_one_machine_and_across_two_workers(tmp_path):
     ports = [free_port(), free_port()]
     workers = [start_worker(port) for port in ports]
