@@ -258,8 +258,22 @@ def test_lookup_after_a_token_equals_extending_the_index_and_leaves_it_as_it_was
         found = index.continuation_after(token, limit)
         assert index.tokens == tokens and repr(index._ends) == ends
         index.extend([token])
-        assert found == index.continuation(limit), (tokens, token, limit)
+        assert found == index.continuation(limit) == scanned_continuation(index.tokens, index.max_n, limit), (
+            tokens, token, limit)
         index.truncate(len(tokens))
+
+
+def scanned_continuation(tokens: list[int], max_n: int, limit: int):
+    """Lookup by its definition, scanning the context: the longest suffix (up to max_n) that occurred earlier followed
+    by a token, and up to `limit` tokens after its latest such occurrence."""
+    from specee_edge.draft.lookup import Continuation
+
+    p = len(tokens)
+    for n in range(min(max_n, p), 0, -1):
+        ends = [e for e in range(n - 1, p - 1) if tokens[e - n + 1 : e + 1] == tokens[p - n :]]
+        if ends:
+            return Continuation(tokens[ends[-1] + 1 : ends[-1] + 1 + limit], n)
+    return Continuation([], 0)
 
 
 def test_a_lossy_level_would_change_the_answers_exact_mode_keeps(engine, exact_pack):

@@ -107,31 +107,41 @@ class PromptLookup:
         every round, and extending and truncating the index there cost more than the match itself."""
         tokens_ = self.tokens
         p = len(tokens_)  # where `token` would go
-        for n in range(min(self.max_n, p + 1), 0, -1):
-            suffix = (*tokens_[p - n + 1 :], token)
-            # the latest earlier occurrence: one ending at the last token (followed by `token` itself), else the index's
-            if n <= p and tuple(tokens_[p - n : p]) == suffix:
-                end = p - 1
-            else:
-                ends = self._ends[n].get(suffix)
-                if not ends:
-                    continue
-                end = ends[-1]
-            found = tokens_[end + 1 : end + 1 + limit]
-            if len(found) < limit and end + 1 + len(found) == p:  # the copy runs into `token`
-                found.append(token)
-            return Continuation(found, n)
-        return Continuation([], 0)
+        # A suffix of n tokens also ends at the last token (followed by `token` itself) exactly when the context ends
+        # in a run of n copies of `token`: the latest occurrence there is, and one the index does not hold.
+        run = 0
+        while run < min(self.max_n, p) and tokens_[p - 1 - run] == token:
+            run += 1
+        # A suffix that occurred before has every shorter suffix occur before it too (ending where it ends): the
+        # longest match is found going up from one token, stopping at the first length that never occurred. Most
+        # tokens match a few, so this looks up about as many n-grams as the match is long, not max_n.
+        matched, end = 0, -1
+        for n in range(1, min(self.max_n, p + 1) + 1):
+            if n <= run:
+                matched, end = n, p - 1
+                continue
+            ends = self._ends[n].get((*tokens_[p - n + 1 :], token))
+            if not ends:
+                break
+            matched, end = n, ends[-1]
+        if not matched:
+            return Continuation([], 0)
+        found = tokens_[end + 1 : end + 1 + limit]
+        if len(found) < limit and end + 1 + len(found) == p:  # the copy runs into `token`
+            found.append(token)
+        return Continuation(found, matched)
 
     def _match(self, max_n: int) -> tuple[int, int] | None:
         """The longest suffix of up to max_n tokens that occurred before: where its latest earlier occurrence ends,
         and its length."""
         tokens_ = self.tokens
-        for n in range(min(max_n, len(tokens_)), 0, -1):
+        match = None
+        for n in range(1, min(max_n, len(tokens_)) + 1):  # going up, as in continuation_after
             ends = self._ends[n].get(tuple(tokens_[len(tokens_) - n :]))
-            if ends:
-                return ends[-1], n
-        return None
+            if not ends:
+                break
+            match = ends[-1], n
+        return match
 
 
 def lookup_proposals(tokens: list[int], start: int, stop: int, max_n: int = LOOKUP_MAX_N) -> list[int | None]:
