@@ -203,6 +203,28 @@ def test_prompt_lookup_drafts_rounds_that_repeat_the_context(engine):
     assert all(margin < NEAR_TIE for margin in margins), margins
 
 
+@pytest.mark.parametrize("max_tokens", [40, 200])  # the answer cut by max_tokens; ended by an end of generation
+def test_the_bench_replay_of_lookup_counts_the_rounds_the_engine_ran(default_model, max_tokens):
+    """replay_lookup over an answer (the bench's figure for machines where a batch costs a step) against an engine
+    that drafts by lookup at every match (no pack, speculation "always"): the same rounds, drafts and accepted
+    drafts, whether the request's max_tokens or an end of generation ends the answer."""
+    from specee_edge.bench.lookup_replay import replay_lookup
+
+    engine = Engine(default_model.info.path, pack=None,
+                    config=EngineConfig(n_ctx=1024, n_threads=2, speculation="always"))
+    try:
+        prompt = prompt_of(engine, "List the days of the week, twice.")
+        answer = [r.id for r in engine.stream(prompt, max_tokens=max_tokens, sampling=GREEDY)]
+        stats = engine.stats
+        assert stats.finish_reason == ("length" if max_tokens == 40 else "stop")
+        replay = replay_lookup(prompt, answer, engine.model.is_eog, max_tokens, max_n=engine.lookup_max_n)
+        assert stats.lookup_rounds > 3
+        assert (replay.rounds, replay.drafts, replay.accepted) == (stats.lookup_rounds, stats.drafts, stats.accepted)
+        assert replay.tokens == stats.n_decode and replay.plain == stats.n_decode - stats.round_tokens
+    finally:
+        engine.close()
+
+
 def test_an_exact_level_with_every_exit_off_drafts_from_prompt_lookup_alone(engine, exact_pack):
     """Calibration's lookup-only candidate: no step probes a layer, every round is a lookup round, a round cut
     short is rolled back without a draft head, and the answer is vanilla's."""

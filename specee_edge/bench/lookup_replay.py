@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specee_edge.draft.lookup import DRAFT_MATCH_N, PromptLookup, lookup_drafts
-from specee_edge.engine.engine import ROUND_MAX_DRAFTS
+from specee_edge.engine.engine import ROUND_MAX_DRAFTS, ends_round, row_source
+from specee_edge.engine.records import TokenSource
 
 
 @dataclass
@@ -45,21 +46,25 @@ class LookupReplay:
                 "speedup_at_unit_batch": self.speedup_at_unit_batch, "rounds": self.rounds, "tokens": self.tokens}
 
 
-def replay_lookup(prompt: Sequence[int], answer: Sequence[int], is_eog: Callable[[int], bool],
+def replay_lookup(prompt: Sequence[int], answer: Sequence[int], is_eog: Callable[[int], bool], max_tokens: int,
                   max_drafts: int = ROUND_MAX_DRAFTS, max_n: int = DRAFT_MATCH_N) -> LookupReplay:
     """Exact mode's lookup rounds along `answer`, drafting at every match: the engine's own drafts (lookup_drafts,
-    cut after an end of generation), at most `max_drafts` and, as in the engine, no more than the tokens left
-    after the round's last one."""
+    cut after an end of generation), at most `max_drafts` and, as in the engine, no more than the tokens the
+    request (`max_tokens`, which the answer was decoded with) has left after the round's last one; each row's
+    token judged by the engine's rules (row_source, ends_round), the answer's token being the one drawn there."""
     index = PromptLookup(max_n)
     index.extend(prompt)
     out = LookupReplay(tokens=max(len(answer) - 1, 0))
     i = 0  # answer[i] is the last emitted token, not in the index yet
     while i < len(answer) - 1:
-        drafts = lookup_drafts(index, answer[i], min(max_drafts, len(answer) - 2 - i), is_eog).tokens
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == answer[i + 1 + accepted]:
-            accepted += 1
-        emitted = accepted + 1
+        drafts = lookup_drafts(index, answer[i], min(max_drafts, max_tokens - 2 - i), is_eog).tokens
+        emitted = accepted = 0
+        for row, token in enumerate(answer[i + 1 : i + 2 + len(drafts)]):  # the tokens drawn at the batch's rows
+            source = row_source(drafts, row, token)
+            emitted += 1
+            accepted += source == TokenSource.ACCEPTED
+            if ends_round(source, token, is_eog):
+                break
         if drafts:
             out.rounds += 1
             out.drafts += len(drafts)
@@ -72,8 +77,9 @@ def replay_lookup(prompt: Sequence[int], answer: Sequence[int], is_eog: Callable
 
 
 def replay_by_category(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], categories: Sequence[str],
-                       is_eog: Callable[[int], bool], max_n: int = DRAFT_MATCH_N) -> dict[str, dict[str, float]]:
+                       is_eog: Callable[[int], bool], max_tokens: int,
+                       max_n: int = DRAFT_MATCH_N) -> dict[str, dict[str, float]]:
     totals: dict[str, LookupReplay] = {}
     for prompt, answer, category in zip(prompts, answers, categories):
-        totals.setdefault(category, LookupReplay()).add(replay_lookup(prompt, answer, is_eog, max_n=max_n))
+        totals.setdefault(category, LookupReplay()).add(replay_lookup(prompt, answer, is_eog, max_tokens, max_n=max_n))
     return {c: r.to_dict() for c, r in sorted(totals.items())}

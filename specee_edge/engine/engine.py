@@ -93,6 +93,20 @@ def row_record(step: TokenRecord | None) -> TokenRecord:
     return TokenRecord() if step is None else dataclasses.replace(step, exit_layer=None, exit_kind=ExitKind.NONE)
 
 
+def row_source(drafts: Sequence[int], row: int, token: int) -> TokenSource:
+    """What the token drawn at `row` of a verification batch of [last token, *drafts] is: the draft it checks,
+    accepted; or in its place, a correction; or after every draft, the bonus."""
+    if row < len(drafts) and token == drafts[row]:
+        return TokenSource.ACCEPTED
+    return TokenSource.BONUS if row == len(drafts) else TokenSource.CORRECTION
+
+
+def ends_round(source: TokenSource, token: int, is_eog: Callable[[int], bool]) -> bool:
+    """Whether a verification emits nothing after this row's token: a correction or the bonus ends it, and so does
+    an accepted end of generation (nothing is decoded past one)."""
+    return source != TokenSource.ACCEPTED or is_eog(token)
+
+
 def draft_confidence(logits: np.ndarray, candidates: Sequence[int]) -> float:
     """The softmax share of the best candidate among the step's candidates (1 without candidates): how sure the
     exit is of its draft, at the cost of k logits (a head-free exit has no others)."""
@@ -547,14 +561,11 @@ class Engine:
             step = steps[row] if row < len(steps) else None
             record = self._sample(row_record(step), draw, row)
             records.append(record)
-            if row < len(drafts) and record.id == drafts[row]:
-                record.source = TokenSource.ACCEPTED
+            record.source = row_source(drafts, row, record.id)
+            if record.source == TokenSource.ACCEPTED:
                 record.draft_layer = step.exit_layer if step is not None else None
-                if self.model.is_eog(record.id):
-                    break
-                continue
-            record.source = TokenSource.BONUS if row == len(drafts) else TokenSource.CORRECTION
-            break
+            if ends_round(record.source, record.id, self.model.is_eog):
+                break
         records[-1] = with_costs_of(records[-1], steps[len(records) :])  # drafting steps past the rejection (or an EOS)
         # the cache keeps `token` and every emitted token but the last; the next draft reads the hidden
         # state of the row that emitted that one
