@@ -147,6 +147,15 @@ def test_problems_are_picked_by_number():
     assert picked == [every[3], every[1]]
 
 
+def test_the_stored_command_leaves_out_where_the_run_wrote_its_files():
+    """info shows the command beside the figures: the measuring options, not the measuring machine's output paths."""
+    from specee_edge.cli.evaluate import measuring_command
+
+    argv = ["qwen", "--tasks", "humaneval", "--json", "/home/me/out.json", "--problems", "64-163",
+            "--log-samples=/home/me/s.jsonl", "--store"]
+    assert measuring_command(argv) == "specee-edge qwen --tasks humaneval --problems 64-163 --store"
+
+
 def test_eval_needs_the_opt_in_to_run_code():
     result = CliRunner().invoke(app, ["eval", "--tasks", "humaneval", "--limit", "1"])
     assert result.exit_code == 1 and "--confirm-run-unsafe-code" in result.output

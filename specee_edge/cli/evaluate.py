@@ -14,6 +14,24 @@ from specee_edge.cli.chat import HfFile, HfRepo, ModelArg, PackOpt, Temp, Thread
 from specee_edge.errors import SpecEEError
 
 
+OUTPUT_OPTIONS = ("--json", "--log-samples")  # where a run writes its own files: not part of how it measured
+
+
+def measuring_command(argv: list[str]) -> str:
+    """The command line that measured the figures, as `info` shows it beside them: without the output options,
+    whose paths are the measuring machine's own."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in OUTPUT_OPTIONS:
+            skip = True
+        elif not arg.startswith(tuple(f"{option}=" for option in OUTPUT_OPTIONS)):
+            kept.append(arg)
+    return " ".join(["specee-edge", *kept])
+
+
 @app.command("eval")
 def eval_command(
     model: ModelArg = None,
@@ -52,7 +70,7 @@ def eval_command(
             tasks=parse_tasks(tasks), limit=limit,
             problems=parse_problems(problems) if problems is not None else None, quality=quality, guards=[parse_guard(g) for g in guard.split(',')], prompt_set=prompts, tokens=n_predict, threads=threads or default_threads(),
             sampling=GREEDY if temp == 0 else SamplingParams(temperature=temp, seed=seed),
-            run_code=confirm_run_unsafe_code, store=store, command=" ".join(["specee-edge", *sys.argv[1:]]))
+            run_code=confirm_run_unsafe_code, store=store, command=measuring_command(sys.argv[1:]))
         with progress_bars(20) as progress:
             result = run_eval(config, progress)
     except SpecEEError as e:
