@@ -60,6 +60,7 @@ length win, as DEL picks a speculation length per context from the acceptance it
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -127,9 +128,7 @@ class RecentCost:
     def add(self, ms: float, at: int = -1) -> None:
         self.recent.append(ms)
         self.measured_at = at
-        ordered = sorted(self.recent)  # statistics.median, without its checks: a plain step adds one every round
-        mid = len(ordered) // 2
-        self.value = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        self.value = statistics.median(self.recent)
 
 
 @dataclass

@@ -60,7 +60,6 @@ class TokenRecord:
 
 
 TOKEN_TIMES = ("draft", "forward", "predictor", "verify", "sample")  # a record's times (a round's batch is its own)
-_TOKEN_TIME_FIELDS = tuple((key, f"{key}_ms") for key in TOKEN_TIMES)  # added up at every token: named once
 
 
 @dataclass
@@ -122,9 +121,8 @@ class GenerationStats:
             if record.round is not self._last_round:  # the round's first token: the round itself counts once
                 self._add_round(record.round)
             self._count_drafts(record.round)
-        time_ms = self.time_ms
-        for key, name in _TOKEN_TIME_FIELDS:
-            time_ms[key] += getattr(record, name)
+        for key in TOKEN_TIMES:
+            self.time_ms[key] += getattr(record, f"{key}_ms")
 
     def _add_round(self, round_: Round) -> None:
         self._last_round = round_
