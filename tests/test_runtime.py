@@ -432,3 +432,15 @@ def test_state_save_refuses_a_cache_with_shallow_cells(default_model, mode, tmp_
 def test_an_unknown_flash_attention_setting_is_one_line(default_model):
     with pytest.raises(SpecEEError, match="unknown flash attention setting 'yes': choose one of auto, on, off"):
         Context(default_model, n_ctx=64, flash_attn="yes")
+
+
+def test_kept_pieces_equal_the_vocabulary_s(default_model):
+    """token_to_piece keeps what it returned (the reply asks at every token): asked again, or after a special-token
+    form was asked, it gives llama_token_to_piece's own bytes."""
+    model = default_model
+    tokens = [0, 1, 2, 198, 504, 1000, 49151]
+    fresh = [model._piece(t, special=False) for t in tokens]
+    special = [model.token_to_piece(t, special=True) for t in tokens]
+    assert [model.token_to_piece(t) for t in tokens] == fresh == [model.token_to_piece(t) for t in tokens]
+    assert special[0] != fresh[0]  # <|endoftext|> is written out only as a special piece
+    assert [model.token_to_piece(t, special=True) for t in tokens] == special
