@@ -416,7 +416,8 @@ def test_batches_are_priced_by_the_kind_of_round_that_ran_them():
 
 def test_plain_rounds_reuse_drafting_prices_and_plan_as_if_priced_afresh(monkeypatch):
     """Most rounds are plain steps: a kept drafting price, where still a lower bound of the price computed now, lets
-    plain decoding win without computing the batch curve again. Two controllers fed the same rounds, one always
+    plain decoding win without computing the batch curve again (most such rounds without the rest of plan() either:
+    _settled_plain). Two controllers fed the same rounds, one always
     pricing afresh, plan every round alike; the first computes fewer prices. Lookup offers 0-8 drafts after
     matches of every length; at first a batch of r rows costs 19 + 2 (r - 2) ms against a 10 ms step and a draft is
     right 30 % of the time (drafting loses), then drafts turn right 85 % of the time, then batches get cheap
@@ -426,6 +427,16 @@ def test_plain_rounds_reuse_drafting_prices_and_plan_as_if_priced_afresh(monkeyp
     best = Controller._best
     monkeypatch.setattr(fresh, "_best", lambda choice, m, greedy, match=0, reuse=False: best(fresh, choice, m, greedy,
                                                                                              match, reuse=False))
+    monkeypatch.setattr(fresh, "_settled_plain", lambda *args: None)
+    settled_plain = Controller._settled_plain
+    settled = []
+
+    def counted_settled(self, *args):
+        plan = settled_plain(self, *args)
+        settled.append(plan is not None)
+        return plan
+
+    monkeypatch.setattr(reusing, "_settled_plain", lambda *args: counted_settled(reusing, *args))
     computed = {id(reusing): 0, id(fresh): 0}
     prices = Controller._prices
 
@@ -465,3 +476,4 @@ def test_plain_rounds_reuse_drafting_prices_and_plan_as_if_priced_afresh(monkeyp
             last += outcome.emitted
     assert Choice.LOOKUP in chosen_kinds
     assert computed[id(reusing)] < 0.75 * computed[id(fresh)], computed
+    assert sum(settled) > len(settled) / 3  # plain steps found without the machinery, planned as afresh

@@ -52,7 +52,10 @@ length win, as DEL picks a speculation length per context from the acceptance it
   measurements, a plain step within REPRICE_SHARE), plain decoding that beats it needs no new price; a round in
   which drafting might win or an exploration might be due is priced afresh. Where the plain step's cost holds
   still, the plans are exactly those of pricing every round afresh (tests/test_controller.py checks it round by
-  round); where it moved, a kept price stands for one computed with a plain step up to 2 % off.
+  round); where it moved, a kept price stands for one computed with a plain step up to 2 % off. Such a round, where
+  no exploration may be due either, is found by a short path (_settled_plain) that reads the kept prices in place
+  and builds nothing: it runs after every token, on caches the decode has just filled with weights, where each
+  object built and each call cost several times what they cost in a warm loop.
 
 `always_draft` replaces the choice with classic speculative decoding's: draft at every chance, as many as allowed
 (lookup where the context matches, else exits), which is what llama.cpp's speculation does; still measured.
@@ -211,28 +214,6 @@ class AcceptanceCount:
         return self.accepted / seen if seen > 0 else default
 
 
-@dataclass(frozen=True)
-class PricingInputs:
-    """What a drafting choice's price was computed from."""
-
-    acceptance: float
-    batches: int            # id() of the BatchCosts that priced it
-    batches_version: int
-    regraph_ms: float
-    plain_ms: float
-    exit_terms: tuple       # exit rounds: the drafting and full step's cost, the share of first steps that exit
-
-    def bounds(self, now: PricingInputs) -> bool:
-        """Whether a price computed from these inputs, lowered by REPRICE_SHARE, is at most the price computed from
-        `now`: acceptance no higher (a price falls only as acceptance rises), the same batch measurements and exit
-        terms, a regraph no cheaper, and a plain step within REPRICE_SHARE of this one (the batch curve starts at a
-        plain step)."""
-        return (now.acceptance <= self.acceptance and now.batches == self.batches
-                and now.batches_version == self.batches_version and now.regraph_ms >= self.regraph_ms
-                and now.exit_terms == self.exit_terms
-                and abs(now.plain_ms - self.plain_ms) <= REPRICE_SHARE * self.plain_ms)
-
-
 def accept_key(choice: Choice, greedy: bool, match: int) -> str:
     """An acceptance count's name in the snapshot: "lookup after 4+/greedy" (match 0: every round of the kind)."""
     return f"{choice.value}{f' after {match}+' if match else ''}/{'greedy' if greedy else 'sampled'}"
@@ -244,6 +225,20 @@ class ExitPrior:
 
     acceptance: float = PRIOR_ACCEPTANCE   # drafts the full model accepted at calibration
     exit_share: float = 0.5                # share of drafting steps that exit
+
+
+@dataclass(frozen=True)
+class KeptPrice:
+    """A drafting choice's best draft length and its price, with what the price was computed from."""
+
+    drafts: int
+    price: float
+    acceptance: float
+    batches: BatchCosts     # the batch costs that priced it (its kind's, or the other kind's) ...
+    batches_version: int    # ... as they were
+    regraph_ms: float
+    plain_ms: float
+    exit_terms: tuple       # exit rounds: the drafting and full step's cost, the share of first steps that exit
 
 
 class Controller:
@@ -275,7 +270,7 @@ class Controller:
         self._after_batch = False        # the last round ran a verification batch
         # each drafting choice's last computed best (draft length, price) by (choice, longest, greedy, match), with
         # what it was computed from
-        self._kept_prices: dict[tuple, tuple[PricingInputs, tuple[int, float]]] = {}
+        self._kept_prices: dict[tuple, KeptPrice] = {}
 
     # --- a request ---------------------------------------------------------------------------
 
@@ -353,28 +348,39 @@ class Controller:
         """The draft length with the lowest price for `choice`, and that price (computed, and kept for reuse).
 
         reuse: a drafting choice's kept price, lowered by REPRICE_SHARE, where it is still a lower bound of what
-        computing it now would give (PricingInputs.bounds), else the price computed now. A plan in which plain
+        computing it now would give (_bounds), else the price computed now. A plan in which plain
         decoding beats such bounds is the plan computed afresh; most rounds are plain steps between which only
         rejections and the plain step's median have moved, and a rejection never makes drafting cheaper."""
         if choice == Choice.PLAIN:
             return 0, self.plain.value
         key = (choice, max_drafts, greedy, match)
-        now = self._pricing_inputs(choice, greedy, match)
         kept = self._kept_prices.get(key)
-        if reuse and kept is not None and kept[0].bounds(now):
-            m, price = kept[1]
-            return m, price * (1 - REPRICE_SHARE)
+        if reuse and kept is not None and self._bounds(kept, choice, greedy, match):
+            return kept.drafts, kept.price * (1 - REPRICE_SHARE)
         prices = self._prices(choice, max_drafts, greedy, match)
         m = min(range(len(prices)), key=prices.__getitem__)
-        self._kept_prices[key] = (now, (m, prices[m]))
+        batches = self._batches(choice)
+        self._kept_prices[key] = KeptPrice(m, prices[m], self.acceptance(choice, greedy, match), batches,
+                                           batches.version, max(self.regraph.value or 0.0, 0.0), self.plain.value,
+                                           self._exit_terms(choice))
         return m, prices[m]
 
-    def _pricing_inputs(self, choice: Choice, greedy: bool, match: int) -> PricingInputs:
+    def _bounds(self, kept: KeptPrice, choice: Choice, greedy: bool, match: int) -> bool:
+        """Whether a kept price, lowered by REPRICE_SHARE, is at most the price computed now: acceptance no higher (a
+        price falls only as acceptance rises), the same batch measurements and exit terms, a regraph no cheaper,
+        and a plain step within REPRICE_SHARE of the one it was computed with (the batch curve starts at a plain
+        step). Compared in place: most rounds ask this, and building the inputs anew cost more than the check."""
         batches = self._batches(choice)
-        exit_terms = ((*self._exit_step_ms(), self.first_exits.value, self.exit_prior.exit_share)
-                      if choice == Choice.EXIT else ())
-        return PricingInputs(self.acceptance(choice, greedy, match), id(batches), batches.version,
-                             max(self.regraph.value or 0.0, 0.0), self.plain.value, exit_terms)
+        return (self.acceptance(choice, greedy, match) <= kept.acceptance and batches is kept.batches
+                and batches.version == kept.batches_version and max(self.regraph.value or 0.0, 0.0) >= kept.regraph_ms
+                and abs(self.plain.value - kept.plain_ms) <= REPRICE_SHARE * kept.plain_ms
+                and (choice != Choice.EXIT or self._exit_terms(choice) == kept.exit_terms))
+
+    def _exit_terms(self, choice: Choice) -> tuple:
+        """What an exit round's price reads besides batches and acceptance (nothing for other choices)."""
+        if choice != Choice.EXIT:
+            return ()
+        return *self._exit_step_ms(), self.first_exits.value, self.exit_prior.exit_share
 
     def _options(self, longest: dict[Choice, int], match: dict[Choice, int], greedy: bool,
                  reuse: bool) -> tuple[dict[Choice, tuple[int, float]], Choice]:
@@ -384,16 +390,19 @@ class Controller:
 
     def _exploration_may_be_due(self, choices) -> bool:
         """Whether plan() could explore one of `choices` (drafting choices, plain decoding being the best) this round:
-        one has waited its turn and the budget covers the cheapest round it could take (a batch's least cost, held
-        to the plain step's, and the regraph)."""
+        one has waited its turn and the budget covers the cheapest round it could take: the least a batch of two
+        rows or more costs on the batch curve (its two-row cost, or a measured one: the curve runs straight between
+        them), the regraph, and for exit drafts one drafting step."""
         plain = self.plain.value
         regraph = max(self.regraph.value or 0.0, 0.0)
         for choice in choices:
             key = (choice, False)
             if self._waited.get(key, 0) + 1 < self._wait.get(key, EXPLORE_WAIT):
                 continue
-            measured = [c.value for c in self._batches(choice).by_rows.values() if c.value is not None]
-            if min([plain, *measured]) + regraph - plain <= self._explore_budget:
+            batches = self._batches(choice)
+            measured = [c.value for c in batches.by_rows.values() if c.value is not None]
+            drafting = self._exit_step_ms()[0] if choice == Choice.EXIT else 0.0
+            if min([batches.curve(2, plain)[2], *measured]) + regraph + drafting - plain <= self._explore_budget:
                 return True
         return False
 
@@ -441,6 +450,9 @@ class Controller:
         if exit_drafts >= 1:
             longest[Choice.EXIT] = exit_drafts
         match = {Choice.LOOKUP: lookup_match}
+        settled = self._settled_plain(longest, match, greedy)
+        if settled is not None:
+            return settled
         options, best = self._options(longest, match, greedy, reuse=True)
         if best != Choice.PLAIN or self._exploration_may_be_due([c for c in options if c != Choice.PLAIN]):
             options, best = self._options(longest, match, greedy, reuse=False)
@@ -459,6 +471,30 @@ class Controller:
                 chosen = Plan(choice, drafts, options[choice][1], True, best_price, other_length, match.get(choice, 0))
                 self._waited[key] = 0
         return chosen
+
+    def _settled_plain(self, longest: dict[Choice, int], match: dict[Choice, int], greedy: bool) -> Plan | None:
+        """The plan of most rounds, found without the machinery that finds it: a plain step, where each drafting
+        choice's kept price still bounds its price now and loses to a plain step, and no exploration may be due. It is
+        the plan that pricing and exploring would give, and its waiting counts move alike (None: another round, which
+        plan() prices)."""
+        plain = self.plain.value
+        waiting = []
+        for choice, drafts in longest.items():
+            if choice == Choice.PLAIN:
+                continue
+            key = (choice, False)
+            if (self._waited.get(key, 0) + 1 >= self._wait.get(key, EXPLORE_WAIT)
+                    and self._exploration_may_be_due([choice])):
+                return None
+            kept = self._kept_prices.get((choice, drafts, greedy, match.get(choice, 0)))
+            if (kept is None or kept.price * (1 - REPRICE_SHARE) < plain
+                    or not self._bounds(kept, choice, greedy, match.get(choice, 0))):
+                return None
+            waiting.append(key)
+        self._waited[(Choice.PLAIN, False)] = 0
+        for key in waiting:
+            self._waited[key] = self._waited.get(key, 0) + 1
+        return Plan(Choice.PLAIN, 0, plain, best_ms_per_token=plain)
 
     def observe(self, outcome: Outcome) -> float:
         """Learn from a round; returns what an exploration cost beyond the choice it displaced (0 otherwise)."""
