@@ -486,9 +486,10 @@ class Controller:
             if (self._waited.get(key, 0) + 1 >= self._wait.get(key, EXPLORE_WAIT)
                     and self._exploration_may_be_due([choice])):
                 return None
-            kept = self._kept_prices.get((choice, drafts, greedy, match.get(choice, 0)))
+            bucket = match.get(choice, 0)
+            kept = self._kept_prices.get((choice, drafts, greedy, bucket))
             if (kept is None or kept.price * (1 - REPRICE_SHARE) < plain
-                    or not self._bounds(kept, choice, greedy, match.get(choice, 0))):
+                    or not self._bounds(kept, choice, greedy, bucket)):
                 return None
             waiting.append(key)
         self._waited[(Choice.PLAIN, False)] = 0
