@@ -26,6 +26,7 @@ def accept(controller: Controller, choice: Choice, accepted: int, drafts: int, r
     for _ in range(rounds):
         for counts in (controller._request, controller._lifetime):
             counts.setdefault((choice, greedy, match), AcceptanceCount()).add(accepted, drafts)
+    controller._acceptances.clear()  # as _count does
 
 
 def plan(controller: Controller, lookup: int = 8, exits: int = 0, limit: int = 8, greedy: bool = True,

@@ -151,6 +151,7 @@ class BatchCosts:
 
     by_rows: dict[int, RecentCost] = field(default_factory=dict)
     version: int = 0  # counts the measurements: a price computed from the curve holds while it is unchanged
+    _points: tuple[int, list[tuple[int, float]]] = field(default=(-1, []), repr=False, compare=False)  # (version, ...)
 
     def add(self, rows: int, ms: float, at: int = -1) -> None:
         self.by_rows.setdefault(rows, RecentCost()).add(ms, at)
@@ -167,11 +168,7 @@ class BatchCosts:
         with one batch measured, the slope from a plain step to it or a quarter of a step per row, whichever is
         less (on a CPU a batch's second row costs much more than its later ones: the jump from one row to two is
         no guide to the rest); never falling."""
-        measured = sorted((r, c.value) for r, c in self.by_rows.items() if c.value is not None)
-        # a batch costs no more than a longer one measured: a row count measured once, slowly, and not chosen since
-        # (a hiccup) is held to what the longer batches cost until it is measured again
-        for i in range(len(measured) - 2, -1, -1):
-            measured[i] = (measured[i][0], min(measured[i][1], measured[i + 1][1]))
+        measured = self.measured_points()
         points = [(1, plain_ms), *measured]
         if len(measured) >= 2:
             (r0, c0), (r1, c1) = measured[-2:]
@@ -193,6 +190,18 @@ class BatchCosts:
             else:
                 costs[rows] = c0 + beyond * (rows - r0)
         return costs
+
+    def measured_points(self) -> list[tuple[int, float]]:
+        """The measured (rows, cost) points in order, computed once per version (most rounds price from the same
+        ones). A batch costs no more than a longer one measured: a row count measured once, slowly, and not chosen
+        since (a hiccup) is held to what the longer batches cost until it is measured again."""
+        version, measured = self._points
+        if version != self.version:
+            measured = sorted((r, c.value) for r, c in self.by_rows.items() if c.value is not None)
+            for i in range(len(measured) - 2, -1, -1):
+                measured[i] = (measured[i][0], min(measured[i][1], measured[i + 1][1]))
+            self._points = (self.version, measured)
+        return measured
 
     def snapshot(self) -> dict[int, float]:
         return {r: round(c.value, 3) for r, c in sorted(self.by_rows.items()) if c.value is not None}
@@ -245,7 +254,7 @@ class Controller:
     """Chooses each round of exact mode; one per engine (costs are the machine's and outlive requests)."""
 
     def __init__(self, exit_prior: ExitPrior | None = None, always_draft: bool = False):
-        self.exit_prior = exit_prior or ExitPrior()
+        self._exit_prior = exit_prior or ExitPrior()
         self.always_draft = always_draft
         self.plain = RecentCost()
         # a plain step right after a drafting round, less a plain step: llama.cpp reuses a step's graph only for the
@@ -260,6 +269,9 @@ class Controller:
         # long-run acceptance per (kind, greedy, lookup's match bucket or 0): the prior of each request
         self._lifetime: dict[tuple[Choice, bool, int], AcceptanceCount] = {}
         self._request: dict[tuple[Choice, bool, int], AcceptanceCount] = {}
+        # acceptance() by (kind, greedy, match bucket), kept until a count or the prior changes: every round reads it
+        # several times, and most rounds count nothing
+        self._acceptances: dict[tuple[Choice, bool, int], float] = {}
         # rounds since each exploration was last taken, and how long it waits: by (choice, at another length)
         self._waited: dict[tuple[Choice, bool], int] = {}
         self._wait: dict[tuple[Choice, bool], int] = {}
@@ -272,12 +284,22 @@ class Controller:
         # what it was computed from
         self._kept_prices: dict[tuple, KeptPrice] = {}
 
+    @property
+    def exit_prior(self) -> ExitPrior:
+        return self._exit_prior
+
+    @exit_prior.setter
+    def exit_prior(self, prior: ExitPrior) -> None:
+        self._exit_prior = prior
+        self._acceptances.clear()
+
     # --- a request ---------------------------------------------------------------------------
 
     def begin_request(self) -> None:
         """Acceptance starts again from what earlier requests accepted (a new answer repeats itself anew); the
         exploration budget carries over, up to EXPLORE_CARRY plain steps."""
         self._request = {}
+        self._acceptances.clear()
         if self.plain.value is not None:
             self._explore_budget = min(self._explore_budget, EXPLORE_CARRY * self.plain.value)
         self._shadow, self._shadow_matched = [], 0
@@ -290,10 +312,15 @@ class Controller:
     def acceptance(self, choice: Choice, greedy: bool, match: int = 0) -> float:
         """The chance that a draft is accepted once those before it were; `match`: a lookup draft's match bucket
         (0: over every lookup round). A bucket's is the mean of its own rate and lookup's over all rounds."""
-        if choice == Choice.LOOKUP and match:
-            return (self._rate((choice, greedy, match), LOOKUP_PRIOR[match]) + self.acceptance(choice, greedy)) / 2
-        default = self.exit_prior.acceptance if choice == Choice.EXIT else PRIOR_ACCEPTANCE
-        return self._rate((choice, greedy, 0), default)
+        key = (choice, greedy, match)
+        rate = self._acceptances.get(key)
+        if rate is None:
+            if choice == Choice.LOOKUP and match:
+                rate = (self._rate(key, LOOKUP_PRIOR[match]) + self.acceptance(choice, greedy)) / 2
+            else:
+                rate = self._rate(key, self.exit_prior.acceptance if choice == Choice.EXIT else PRIOR_ACCEPTANCE)
+            self._acceptances[key] = rate
+        return rate
 
     def _rate(self, key: tuple[Choice, bool, int], default: float) -> float:
         count = self._request.get(key)
@@ -309,18 +336,17 @@ class Controller:
             return own
         return self.batches[Choice.EXIT if choice == Choice.LOOKUP else Choice.LOOKUP]
 
-    def _round_ms(self, choice: Choice, m: int, batch: list[float]) -> tuple[float, float]:
-        """A round of `choice` with m drafts: what it costs when it drafts, and when it does not (an exit round's
-        first step that ran every layer, probes and all, and gave one token); `batch` is the batch curve. A
-        round that drafts also pays the graph the next plain step builds again (charged whole: the round after
-        a drafting round is mostly a plain step)."""
-        if choice == Choice.PLAIN:
-            return self.plain.value, self.plain.value
+    def _round_costs(self, choice: Choice, max_drafts: int, batch: list[float]) -> list[tuple[float, float]]:
+        """A drafting round of `choice` by its draft length m (1 .. max_drafts; index 0 unused): what it costs when it
+        drafts, and when it does not (an exit round's first step that ran every layer, probes and all, and gave one
+        token); `batch` is the batch curve. A round that drafts also pays the graph the next plain step builds again
+        (charged whole: the round after a drafting round is mostly a plain step)."""
         regraph = max(self.regraph.value or 0.0, 0.0)
         if choice == Choice.LOOKUP:
-            return batch[m + 1] + regraph, batch[m + 1] + regraph
+            return [(float("inf"), float("inf"))] + [(batch[m + 1] + regraph,) * 2 for m in range(1, max_drafts + 1)]
         step, full = self._exit_step_ms()
-        return m * step + batch[m + 1] + regraph, full
+        return [(float("inf"), float("inf"))] + [(m * step + batch[m + 1] + regraph, full)
+                                                  for m in range(1, max_drafts + 1)]
 
     def _prices(self, choice: Choice, max_drafts: int, greedy: bool, match: int = 0) -> list[float]:
         """The price of a round of `choice` (ms per emitted token) by its draft length 0 .. max_drafts (a drafting
@@ -335,11 +361,12 @@ class Controller:
         q = 1.0
         if choice == Choice.EXIT:
             q = self.first_exits.value if self.first_exits.value is not None else self.exit_prior.exit_share
+        costs = self._round_costs(choice, max_drafts, batch)
         prices, tokens, term = [float("inf")], 1.0, 1.0
         for m in range(1, max_drafts + 1):
             term *= a
             tokens += term  # E(m)
-            drafting, not_drafting = self._round_ms(choice, m, batch)
+            drafting, not_drafting = costs[m]
             prices.append((q * drafting + (1 - q) * not_drafting) / (q * tokens + (1 - q)))
         return prices
 
@@ -400,7 +427,7 @@ class Controller:
             if self._waited.get(key, 0) + 1 < self._wait.get(key, EXPLORE_WAIT):
                 continue
             batches = self._batches(choice)
-            measured = [c.value for c in batches.by_rows.values() if c.value is not None]
+            measured = [cost for _, cost in batches.measured_points()]
             drafting = self._exit_step_ms()[0] if choice == Choice.EXIT else 0.0
             if min([batches.curve(2, plain)[2], *measured]) + regraph + drafting - plain <= self._explore_budget:
                 return True
@@ -422,9 +449,9 @@ class Controller:
         if choice == Choice.PLAIN:
             return 0 if self.plain.value - best_price <= self._explore_budget else None
         batches = self._batches(choice)
-        batch = batches.curve(max_drafts + 1, self.plain.value)
+        costs = self._round_costs(choice, max_drafts, batches.curve(max_drafts + 1, self.plain.value))
         covered = [m for m in range(1, max_drafts + 1)
-                   if m != other_than and max(self._round_ms(choice, m, batch)) - best_price <= self._explore_budget]
+                   if m != other_than and max(costs[m]) - best_price <= self._explore_budget]
         if other_than is not None:
             covered = [m for m in covered if batches.measured_at(m + 1) < batches.measured_at(other_than + 1)]
         if not covered:
@@ -553,6 +580,7 @@ class Controller:
         for key in {(choice, greedy, 0), (choice, greedy, match)}:
             for counts, decay in ((self._request, ACCEPT_DECAY), (self._lifetime, 1.0)):
                 counts.setdefault(key, AcceptanceCount()).add(accepted, drafts, decay=decay)
+        self._acceptances.clear()
 
     def snapshot(self) -> dict:
         """What the controller has measured, for stats and the bench (ms)."""

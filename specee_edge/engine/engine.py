@@ -461,10 +461,11 @@ class Engine:
         in one batch, whichever the controller prices lowest per emitted token. Returns the records of the tokens
         it emits (at least one; at most `budget` unless the budget is spent), which share their Round."""
         p = self.ctx.n_past
+        greedy = draw.params.greedy
         limit = self._round_limit(p, budget)
         lookup = lookup_drafts(self._history, token, limit, self.model.is_eog) if limit >= 1 else Continuation([], 0)
         plan = self.controller.plan(lookup_drafts=len(lookup.tokens), lookup_match=lookup.bucket,
-                                    exit_drafts=self._exit_drafts(), limit=limit, greedy=draw.params.greedy)
+                                    exit_drafts=self._exit_drafts(), limit=limit, greedy=greedy)
         t0 = time.perf_counter()
         draft_step_ms: list[float] = []
         full_step_ms = None
@@ -482,8 +483,8 @@ class Engine:
         round_.explore_ms = self.controller.observe(Outcome(
             plan, emitted=round_.emitted, ms=(time.perf_counter() - t0) * 1e3, drafts=round_.drafts,
             accepted=round_.accepted, batch_ms=batch_price_ms, draft_step_ms=tuple(draft_step_ms),
-            full_step_ms=full_step_ms, greedy=draw.params.greedy))
-        self.controller.watch_lookup(plan, lookup.tokens, [r.id for r in records], draw.params.greedy, lookup.bucket)
+            full_step_ms=full_step_ms, greedy=greedy))
+        self.controller.watch_lookup(plan, lookup.tokens, [r.id for r in records], greedy, lookup.bucket)
         for record in records:
             record.round = round_
         return records

@@ -60,6 +60,7 @@ class TokenRecord:
 
 
 TOKEN_TIMES = ("draft", "forward", "predictor", "verify", "sample")  # a record's times (a round's batch is its own)
+_TIME_FIELDS = tuple((key, f"{key}_ms") for key in TOKEN_TIMES)
 
 
 @dataclass
@@ -101,12 +102,35 @@ class GenerationStats:
     _round_seen: int = field(default=0, repr=False, compare=False)  # the last round's records added so far
 
     def add(self, record: TokenRecord) -> None:
+        """Count one emitted token. Most are plain steps, and this runs after every one of them, on caches a decode
+        has just filled: a plain step's record skips what only exits, candidates and verification rounds set."""
         self.n_decode += 1
         self.exit_layers.append(record.exit_layer)
-        if record.exit_layer is not None:
+        if record.exit_layer is None:
+            self.exit_layer_sum += self.n_layer - 1
+        else:
             self.exits += 1
+            self.exit_layer_sum += record.exit_layer
+        if (record.probes or record.verify_failures or record.exit_kind or record.candidates or record.draft_hit
+                or record.lookup_hit is not None):
+            self._add_speculation(record)
+        if record.source is not TokenSource.FULL and record.source is not TokenSource.EXIT:
+            self.accepted += record.source is TokenSource.ACCEPTED
+            self.round_tokens += 1  # accepted, a correction or a bonus
+        round_ = record.round
+        if round_ is not None:
+            self.tokens_by_choice[round_.choice._value_] += 1  # _value_: .value is a property, slow on this path
+            if round_ is not self._last_round:  # the round's first token: the round itself counts once
+                self._add_round(round_)
+            if round_.drafts:
+                self._count_drafts(round_)
+        time_ms = self.time_ms
+        for key, name in _TIME_FIELDS:
+            time_ms[key] += getattr(record, name)
+
+    def _add_speculation(self, record: TokenRecord) -> None:
+        """What a step whose graph probed, exited or proposed candidates adds."""
         self.head_free_exits += record.exit_kind == ExitKind.HEAD_FREE
-        self.exit_layer_sum += self.n_layer - 1 if record.exit_layer is None else record.exit_layer
         self.probes += record.probes
         self.verify_failures += record.verify_failures
         self.positives += record.verify_failures + (record.exit_kind == ExitKind.VERIFIED)
@@ -114,15 +138,6 @@ class GenerationStats:
         self.drafted += bool(record.candidates)
         self.lookup_proposals += record.lookup_hit is not None
         self.lookup_hits += bool(record.lookup_hit)
-        self.accepted += record.source == TokenSource.ACCEPTED
-        self.round_tokens += record.source in (TokenSource.ACCEPTED, TokenSource.CORRECTION, TokenSource.BONUS)
-        if record.round is not None:
-            self.tokens_by_choice[record.round.choice.value] += 1
-            if record.round is not self._last_round:  # the round's first token: the round itself counts once
-                self._add_round(record.round)
-            self._count_drafts(record.round)
-        for key in TOKEN_TIMES:
-            self.time_ms[key] += getattr(record, f"{key}_ms")
 
     def _add_round(self, round_: Round) -> None:
         self._last_round = round_
