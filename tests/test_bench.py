@@ -126,6 +126,7 @@ def test_every_lane_answers_whole_in_a_shuffled_order_and_every_speedup_has_its_
     # the bare Context control lane: our runtime's plain step and draw, the Llama.eval lane's answers
     bare = data["tools"][ContextLane.name]
     assert bare["tok_s"] > 0 and bare["identical"] == 1.0
+    assert data["bare_ms_per_token"]["layers"] > 0 and data["bare_ms_per_token"]["other"] >= 0
     for lane in (data, *data["modes"].values(), *data["tools"].values()):
         assert within(lane["speedup"], lane["speedup_interval"])
         assert set(lane["speedup_by_category_interval"]) == set(lane["speedup_by_category"])
@@ -177,7 +178,7 @@ def test_terminal_report_and_plot(bench_run):
     _, plot, output = bench_run
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for figure in ("vanilla", "speedup", "oracle_speedup", "head-free", "agree", "prefix", "exit layers",
-                   "ms per decode step", "candidate_mass"):
+                   "ms per decode step", "bare: the Context lane", "candidate_mass"):
         assert figure in output
 
 

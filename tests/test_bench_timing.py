@@ -117,3 +117,8 @@ def test_the_bare_context_lane_answers_as_llama_eval_does(default_model, samplin
         llm.close()
     assert context.outputs == vanilla.outputs
     assert context.timing.steps == sum(len(answer) - 1 for answer in context.outputs) and context.timing.tok_s > 0
+    # its decode and draw are timed inside each step, as an engine's are: what the loop adds around them is the
+    # floor an engine's `other` is set beside
+    split = context.time_split()
+    assert split["layers"] > 0 and split["sample"] > 0 and 0 <= split["other"] < split["layers"]
+    assert split["layers"] + split["sample"] <= context.timing.ms

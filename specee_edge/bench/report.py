@@ -17,6 +17,7 @@ from specee_edge.runtime.costs import TokenCosts, split_text
 # the "vanilla" lane: llama-cpp-python's Llama.eval one token at a time with specee-edge's draw (runner.VanillaLane),
 # not llama-cpp-python's own decoding loop (create_completion, generate): named for what it runs
 LLAMA_CPP_PYTHON = "llama-cpp-python Llama.eval"
+BARE_CONTEXT = "specee-edge Context (bare)"
 TIME_PARTS = ("draft", "layers", "predictor", "verify", "batch", "other", "sample")  # batch: exact mode's verification
 HISTOGRAM_WIDTH = 48  # text cells shared by the histogram's bars (80-column terminals)
 
@@ -195,6 +196,7 @@ class BenchResult:
     baseline: str = LLAMA_CPP_PYTHON            # the lane every speed-up is against: llama-server plain where it ran
     baseline_sampled: str | None = None         # ... in the sampled pass
     tools: dict[str, ToolLane] = field(default_factory=dict)  # llama-server's lanes and the Llama.eval lane
+    bare_ms_per_token: dict[str, float] | None = None  # the bare Context lane's TIME_PARTS (greedy): the floor of other
     dropped: list[str] = field(default_factory=list)  # lanes that failed (to build, start or decode), a line each
     notes: list[str] = field(default_factory=list)    # what those failures changed (the baseline moved), a line each
     # the lanes' order, shuffled per prompt: {seed, greedy, sampled (None with --greedy-only)}, each a list per prompt
@@ -479,13 +481,21 @@ class BenchResult:
         return table
 
     def _time_split(self) -> Table:
-        table = Table(title="ms per decode step")
+        table = Table(title="ms per decode step", caption="bare: the Context lane, nothing but the decode and the draw"
+                      if self.bare_ms_per_token else None)
         table.add_column("part", style="bold")
+        parts = [m.ms_per_token for m in self.modes]
+        steps = [f"{1e3 / m.specee_tok_s:.3f}" if m.specee_tok_s else "-" for m in self.modes]
         for m in self.modes:
             table.add_column(self.lane(m), justify="right")
+        if self.bare_ms_per_token:
+            bare = self.tools.get(BARE_CONTEXT)
+            table.add_column("bare", justify="right")
+            parts.append(self.bare_ms_per_token)
+            steps.append(f"{1e3 / bare.tok_s:.3f}" if bare and bare.tok_s else "-")
         for part in TIME_PARTS:
-            table.add_row(part, *(f"{m.ms_per_token[part]:.3f}" for m in self.modes))
-        table.add_row("decode step", *(f"{1e3 / m.specee_tok_s:.3f}" if m.specee_tok_s else "-" for m in self.modes))
+            table.add_row(part, *(f"{split[part]:.3f}" for split in parts))
+        table.add_row("decode step", *steps)
         return table
 
     def _histogram(self) -> Table:

@@ -406,6 +406,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
         peer_sampled=lane_speed(peer_sampled, vanilla_sampled, categories, base_sampled)
         if peer_sampled and vanilla_sampled and base_sampled else None,
         baseline=baseline, tools=tools, dropped=dropped, baseline_sampled=baseline_sampled,
+        bare_ms_per_token=greedy.context.time_split() if greedy.context else None,
         notes=baseline_notes(config.llama_server_asked or config.llama_server is not None, baseline, baseline_sampled),
         repetition_by_category=by_category(repeated, categories),
         looping_answers=len(repeated) - len(no_loop),

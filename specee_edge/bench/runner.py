@@ -23,7 +23,7 @@ import numpy as np
 from llama_cpp import Llama
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-from specee_edge.bench.report import LLAMA_CPP_PYTHON
+from specee_edge.bench.report import BARE_CONTEXT, LLAMA_CPP_PYTHON, TIME_PARTS
 from specee_edge.engine import GREEDY, Engine, TokenRecord
 from specee_edge.engine.sampling import Sampler, SamplingParams
 from specee_edge.engine.stops import StopMatcher
@@ -121,13 +121,16 @@ class VanillaLane(AnswerLane):
 class ContextLane(AnswerLane):
     """The floor of our Python path: the runtime's Context, early exit never enabled, a token at a time with the
     engines' draw (Sampler: a numpy argmax greedy, llama.cpp's chain sampled), nothing else: no text, no stop
-    strings, no statistics."""
+    strings, no statistics. Its decode and its draw are timed as an engine times them, so that the bench can set
+    an engine's `other` beside the floor's."""
 
-    name = "specee-edge Context (bare)"
+    name = BARE_CONTEXT
 
     def __init__(self, ctx: Context, max_tokens: int, is_eog: Callable[[int], bool], sampling: SamplingParams = GREEDY):
         super().__init__(max_tokens, is_eog, sampling)
         self.ctx = ctx
+        self.decode_ms = 0.0  # summed over the timed steps
+        self.sample_ms = 0.0
 
     def answer(self, prompt: Sequence[int], watch: Stopwatch) -> None:
         self.timing.begin_prompt()
@@ -136,10 +139,24 @@ class ContextLane(AnswerLane):
         draw = Sampler(prompt_sampling(self.sampling, len(self.outputs)), self.ctx.n_vocab, prompt)
 
         def step(token: int) -> int:
+            t0 = time.perf_counter()
             self.ctx.decode([token])  # waits for the step on any backend
-            return draw.from_context(self.ctx.handle)
+            t1 = time.perf_counter()
+            drawn = draw.from_context(self.ctx.handle)
+            self.decode_ms += (t1 - t0) * 1e3
+            self.sample_ms += (time.perf_counter() - t1) * 1e3
+            return drawn
 
         decode_answer(self, draw, self.ctx.handle, step, watch)
+
+    def time_split(self) -> dict[str, float]:
+        """ms per decode step as an engine's are split (bench.run.time_split): the decode is `layers`, the draw
+        `sample`, and `other` what the lane's loop adds around them."""
+        parts = dict.fromkeys(TIME_PARTS, 0.0)
+        if self.timing.steps:
+            decode, sample = self.decode_ms / self.timing.steps, self.sample_ms / self.timing.steps
+            parts.update(layers=decode, sample=sample, other=self.timing.ms - decode - sample)
+        return parts
 
 
 class PeerLane(AnswerLane):
