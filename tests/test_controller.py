@@ -415,21 +415,28 @@ def test_batches_are_priced_by_the_kind_of_round_that_ran_them():
     assert controller._batches(Choice.EXIT).curve(3, 10.0)[3] > controller._batches(Choice.LOOKUP).curve(3, 10.0)[3]
 
 
-def test_plain_rounds_reuse_drafting_prices_and_plan_as_if_priced_afresh(monkeypatch):
-    """Most rounds are plain steps: a kept drafting price, where still a lower bound of the price computed now, lets
-    plain decoding win without computing the batch curve again (most such rounds without the rest of plan() either:
-    _settled_plain). Two controllers fed the same rounds, one always
-    pricing afresh, plan every round alike; the first computes fewer prices. Lookup offers 0-8 drafts after
-    matches of every length; at first a batch of r rows costs 19 + 2 (r - 2) ms against a 10 ms step and a draft is
-    right 30 % of the time (drafting loses), then drafts turn right 85 % of the time, then batches get cheap
-    (11 + (r - 2) ms): a price kept past either change would keep plain decoding where drafting now pays."""
+UNPATCHED = {name: getattr(Controller, name) for name in ("_best", "_settled_plain", "_prices")}
+
+
+def replay_against_fresh_pricing(monkeypatch, plain_ms, exits: int = 2,
+                                 measured: dict[int, float] | None = None) -> tuple[list[bool], dict[str, int], set]:
+    """Two controllers fed the same rounds, one always pricing afresh, must plan every round alike. Lookup offers 0-8
+    drafts after matches of every length; at first a batch of r rows costs 19 + 2 (r - 2) ms and a draft is right
+    30 % of the time (drafting loses), then drafts turn right 85 % of the time, then batches get cheap
+    (11 + (r - 2) ms): a price kept past either change would keep plain decoding where drafting now pays.
+    plain_ms(rng): a plain step's time; `measured`: lookup batches both controllers have measured before the first
+    round. Returns, for the reusing one, whether each round it asked _settled_plain took the short path, and the
+    prices each computed (reusing, fresh); and the choices taken."""
     rng = random.Random(3)
     reusing, fresh = Controller(), Controller()
-    best = Controller._best
+    for controller in (reusing, fresh):
+        for rows, ms in (measured or {}).items():
+            controller.batches[Choice.LOOKUP].add(rows, ms)
+    best = UNPATCHED["_best"]
     monkeypatch.setattr(fresh, "_best", lambda choice, m, greedy, match=0, reuse=False: best(fresh, choice, m, greedy,
                                                                                              match, reuse=False))
     monkeypatch.setattr(fresh, "_settled_plain", lambda *args: None)
-    settled_plain = Controller._settled_plain
+    settled_plain = UNPATCHED["_settled_plain"]
     settled = []
 
     def counted_settled(self, *args):
@@ -439,7 +446,7 @@ def test_plain_rounds_reuse_drafting_prices_and_plan_as_if_priced_afresh(monkeyp
 
     monkeypatch.setattr(reusing, "_settled_plain", lambda *args: counted_settled(reusing, *args))
     computed = {id(reusing): 0, id(fresh): 0}
-    prices = Controller._prices
+    prices = UNPATCHED["_prices"]
 
     def counted(self, *args):
         computed[id(self)] += 1
@@ -458,12 +465,12 @@ def test_plain_rounds_reuse_drafting_prices_and_plan_as_if_priced_afresh(monkeyp
             while right < lookup and rng.random() < p_right:
                 right += 1
             offered = [last + 1 + j if j < right else -1 for j in range(lookup)]
-            plans = [plan(c, lookup=lookup, match=match, exits=2) for c in (reusing, fresh)]
+            plans = [plan(c, lookup=lookup, match=match, exits=exits) for c in (reusing, fresh)]
             assert plans[0] == plans[1], (request, last)
             chosen = plans[0]
             chosen_kinds.add(chosen.choice)
             if chosen.choice == Choice.PLAIN:
-                outcome = Outcome(chosen, emitted=1, ms=10.0)
+                outcome = Outcome(chosen, emitted=1, ms=plain_ms(rng))
             else:
                 accepted = min(right, chosen.drafts) if chosen.choice == Choice.LOOKUP else 0
                 batch = (19.0 + 2.0 * (chosen.drafts - 1)) if request < 4 else (11.0 + chosen.drafts - 1)
@@ -475,6 +482,53 @@ def test_plain_rounds_reuse_drafting_prices_and_plan_as_if_priced_afresh(monkeyp
                 c.watch_lookup(chosen, offered, list(range(last + 1, last + 1 + outcome.emitted)), greedy=True,
                                match=match)
             last += outcome.emitted
+    return settled, {"reusing": computed[id(reusing)], "fresh": computed[id(fresh)]}, chosen_kinds
+
+
+def test_plain_rounds_reuse_drafting_prices_and_plan_as_if_priced_afresh(monkeypatch):
+    """Most rounds are plain steps: a lower bound of a drafting price, derived from a kept one, lets plain decoding
+    win without computing the batch curve again (most such rounds without the rest of plan() either: _settled_plain),
+    and every plan is the one pricing afresh gives. A plain step of 10 ms, exit drafts offered too."""
+    settled, computed, chosen_kinds = replay_against_fresh_pricing(monkeypatch, lambda rng: 10.0)
     assert Choice.LOOKUP in chosen_kinds
-    assert computed[id(reusing)] < 0.75 * computed[id(fresh)], computed
-    assert sum(settled) > len(settled) / 3  # plain steps found without the machinery, planned as afresh
+    assert computed["reusing"] < 0.75 * computed["fresh"], computed
+    assert sum(settled) > 0.4 * len(settled)  # plain steps found without the machinery, planned as afresh
+
+
+def test_a_price_that_reads_no_plain_step_holds_while_the_plain_step_drifts(monkeypatch):
+    """Batches of 2 and 9 rows measured: the batch curve reads no plain step, so a kept lookup price bounds the price
+    now however a plain step's median moves (here by up to 8 % a round): the plans stay those of pricing afresh, and
+    the short path takes as many rounds as where a plain step holds still."""
+    replay = lambda plain_ms: replay_against_fresh_pricing(monkeypatch, plain_ms, exits=0, measured={2: 19.0, 9: 33.0})
+    still, _, _ = replay(lambda rng: 10.0)
+    drifting, computed, chosen_kinds = replay(lambda rng: 10.0 * rng.uniform(0.92, 1.08))
+    assert Choice.LOOKUP in chosen_kinds
+    assert computed["reusing"] < 0.85 * computed["fresh"], computed
+    assert sum(drifting) >= 0.9 * sum(still) > 0
+
+
+@pytest.mark.parametrize("choice", [Choice.LOOKUP, Choice.EXIT])
+def test_the_bound_from_a_kept_price_is_never_above_the_price_computed_now(choice):
+    """As acceptance rises, a kept price lowered by (a_k / a) ** max_drafts stays at or below the price computed
+    afresh, for lookup and exit drafts, at any draft length; and it lets a plain step win without a new price
+    where a rise leaves drafting dear."""
+    rng = random.Random(7)
+    for _ in range(200):
+        controller = measured(10.0, {2: rng.uniform(11.0, 30.0), 5: rng.uniform(30.0, 60.0)})
+        controller.begin_request()
+        max_drafts, match = rng.randint(1, 8), rng.choice([0, 1, 2, 4, 8]) if choice == Choice.LOOKUP else 0
+        accept(controller, choice, rng.randint(0, 2), 3, rounds=rng.randint(1, 4), match=match)
+        controller._best(choice, max_drafts, True, match)  # kept
+        kept = controller._kept_prices[(choice, max_drafts, True, match)]
+        accept(controller, choice, 3, 3, rounds=rng.randint(1, 3), match=match)  # acceptance rises
+        bound = controller._bound(kept, choice, True, match)
+        assert controller._held_acceptance(choice, True, match) > kept.acceptance
+        assert bound is not None and bound <= controller._best(choice, max_drafts, True, match)[1] + 1e-12
+    # 2-row batches at 40 ms against a 10 ms step: drafting stays far dearer after a small rise, and the short path
+    # keeps decoding plainly
+    controller = measured(10.0, {2: 40.0, 5: 100.0})
+    controller.begin_request()
+    accept(controller, Choice.LOOKUP, 1, 3, rounds=4)
+    assert plan(controller, lookup=4, match=0).choice == Choice.PLAIN
+    accept(controller, Choice.LOOKUP, 2, 3, rounds=1)
+    assert controller._settled_plain({Choice.PLAIN: 0, Choice.LOOKUP: 4}, {Choice.LOOKUP: 0}, True) is not None

@@ -47,15 +47,18 @@ length win, as DEL picks a speculation length per context from the acceptance it
   (explore_ms).
 
 - Most rounds are plain steps, and between two of them little moves: the plain step's median, and acceptance,
-  which shadow rounds lower with each rejection. So a drafting choice's price is kept with what it was computed
-  from, and while it is still a lower bound of the price computed now (acceptance no higher, the same batch
-  measurements, a plain step within REPRICE_SHARE), plain decoding that beats it needs no new price; a round in
-  which drafting might win or an exploration might be due is priced afresh. Where the plain step's cost holds
-  still, the plans are exactly those of pricing every round afresh (tests/test_controller.py checks it round by
-  round); where it moved, a kept price stands for one computed with a plain step up to 2 % off. Such a round, where
-  no exploration may be due either, is found by a short path (_settled_plain) that reads the kept prices in place
-  and builds nothing: it runs after every token, on caches the decode has just filled with weights, where each
-  object built and each call cost several times what they cost in a warm loop.
+  which shadow rounds raise or lower. So a drafting choice's price is kept with what it was computed from, and
+  a lower bound of the price computed now is derived from it (_bound): with the same batch measurements, the
+  kept price; where acceptance rose from a_k to a, that price times (a_k / a) ** m for drafts up to m (a round's
+  expected tokens grow by at most that); where a term of the price reads the plain step (a batch size not
+  measured, interpolated from a plain step), only while the plain step is within REPRICE_SHARE. Plain decoding
+  that beats such a bound needs no new price; a round in which drafting might win or an exploration might be
+  due is priced afresh. Where no term reads the plain step, or its cost holds still, the plans are exactly those
+  of pricing every round afresh (tests/test_controller.py checks both round by round); otherwise a kept price
+  stands for one computed with a plain step up to 2 % off. Such a round, where no exploration may be due either,
+  is found by a short path (_settled_plain) that reads the kept prices in place and builds nothing: it runs
+  after every token, on caches the decode has just filled with weights, where each object built and each call
+  cost several times what they cost in a warm loop.
 
 `always_draft` replaces the choice with classic speculative decoding's: draft at every chance, as many as allowed
 (lookup where the context matches, else exits), which is what llama.cpp's speculation does; still measured.
@@ -242,11 +245,13 @@ class KeptPrice:
 
     drafts: int
     price: float
-    acceptance: float
+    max_drafts: int         # the longest draft length it was the best of
+    acceptance: float       # as the price read it (held within 0 .. MAX_ACCEPTANCE)
     batches: BatchCosts     # the batch costs that priced it (its kind's, or the other kind's) ...
     batches_version: int    # ... as they were
     regraph_ms: float
     plain_ms: float
+    plain_free: bool        # no term of the price read the plain step (_plain_free)
     exit_terms: tuple       # exit rounds: the drafting and full step's cost, the share of first steps that exit
 
 
@@ -357,7 +362,7 @@ class Controller:
         if choice == Choice.PLAIN:
             return [self.plain.value]
         batch = self._batches(choice).curve(max_drafts + 1, self.plain.value)
-        a = min(max(self.acceptance(choice, greedy, match), 0.0), MAX_ACCEPTANCE)
+        a = self._held_acceptance(choice, greedy, match)
         q = 1.0
         if choice == Choice.EXIT:
             q = self.first_exits.value if self.first_exits.value is not None else self.exit_prior.exit_share
@@ -370,38 +375,62 @@ class Controller:
             prices.append((q * drafting + (1 - q) * not_drafting) / (q * tokens + (1 - q)))
         return prices
 
+    def _held_acceptance(self, choice: Choice, greedy: bool, match: int) -> float:
+        """acceptance() as a price reads it: within 0 .. MAX_ACCEPTANCE."""
+        return min(max(self.acceptance(choice, greedy, match), 0.0), MAX_ACCEPTANCE)
+
     def _best(self, choice: Choice, max_drafts: int, greedy: bool, match: int = 0,
               reuse: bool = False) -> tuple[int, float]:
         """The draft length with the lowest price for `choice`, and that price (computed, and kept for reuse).
 
-        reuse: a drafting choice's kept price, lowered by REPRICE_SHARE, where it is still a lower bound of what
-        computing it now would give (_bounds), else the price computed now. A plan in which plain
-        decoding beats such bounds is the plan computed afresh; most rounds are plain steps between which only
-        rejections and the plain step's median have moved, and a rejection never makes drafting cheaper."""
+        reuse: a lower bound of the price computed now, from the kept price (_bound), where it can be had, else the
+        price computed now. A plan in which plain decoding beats such bounds is the plan computed afresh; most
+        rounds are plain steps between which only acceptance and the plain step's median have moved."""
         if choice == Choice.PLAIN:
             return 0, self.plain.value
         key = (choice, max_drafts, greedy, match)
         kept = self._kept_prices.get(key)
-        if reuse and kept is not None and self._bounds(kept, choice, greedy, match):
-            return kept.drafts, kept.price * (1 - REPRICE_SHARE)
+        bound = self._bound(kept, choice, greedy, match) if reuse and kept is not None else None
+        if bound is not None:
+            return kept.drafts, bound
         prices = self._prices(choice, max_drafts, greedy, match)
         m = min(range(len(prices)), key=prices.__getitem__)
         batches = self._batches(choice)
-        self._kept_prices[key] = KeptPrice(m, prices[m], self.acceptance(choice, greedy, match), batches,
-                                           batches.version, max(self.regraph.value or 0.0, 0.0), self.plain.value,
+        self._kept_prices[key] = KeptPrice(m, prices[m], max_drafts, self._held_acceptance(choice, greedy, match),
+                                           batches, batches.version, max(self.regraph.value or 0.0, 0.0),
+                                           self.plain.value, self._plain_free(choice, batches),
                                            self._exit_terms(choice))
         return m, prices[m]
 
-    def _bounds(self, kept: KeptPrice, choice: Choice, greedy: bool, match: int) -> bool:
-        """Whether a kept price, lowered by REPRICE_SHARE, is at most the price computed now: acceptance no higher (a
-        price falls only as acceptance rises), the same batch measurements and exit terms, a regraph no cheaper,
-        and a plain step within REPRICE_SHARE of the one it was computed with (the batch curve starts at a plain
-        step). Compared in place: most rounds ask this, and building the inputs anew cost more than the check."""
+    def _bound(self, kept: KeptPrice, choice: Choice, greedy: bool, match: int) -> float | None:
+        """A lower bound of the price computed now, from a kept one (None where none can be had): with the same batch
+        measurements and exit terms, a regraph no cheaper, and a plain step within REPRICE_SHARE of the one it was
+        computed with unless no term read it, the kept price lowered by REPRICE_SHARE; and if acceptance rose from
+        a_k to a, lowered again by (a_k / a) ** max_drafts. For each draft length m <= max_drafts the expected
+        tokens grow by at most (a / a_k) ** m as acceptance rises (each term a ** i, i <= m, by at most that), and
+        the price's costs do not move with it. Compared in place: most rounds ask this, and building the inputs
+        anew cost more than the check."""
         batches = self._batches(choice)
-        return (self.acceptance(choice, greedy, match) <= kept.acceptance and batches is kept.batches
-                and batches.version == kept.batches_version and max(self.regraph.value or 0.0, 0.0) >= kept.regraph_ms
-                and abs(self.plain.value - kept.plain_ms) <= REPRICE_SHARE * kept.plain_ms
-                and (choice != Choice.EXIT or self._exit_terms(choice) == kept.exit_terms))
+        if not (batches is kept.batches and batches.version == kept.batches_version
+                and max(self.regraph.value or 0.0, 0.0) >= kept.regraph_ms
+                and (kept.plain_free or abs(self.plain.value - kept.plain_ms) <= REPRICE_SHARE * kept.plain_ms)
+                and (choice != Choice.EXIT or self._exit_terms(choice) == kept.exit_terms)):
+            return None
+        bound = kept.price * (1 - REPRICE_SHARE)
+        acceptance = self._held_acceptance(choice, greedy, match)
+        if acceptance > kept.acceptance:
+            bound *= (kept.acceptance / acceptance) ** kept.max_drafts
+        return bound
+
+    def _plain_free(self, choice: Choice, batches: BatchCosts) -> bool:
+        """Whether no term of `choice`'s prices reads the plain step's cost: the batch curve begins at a plain step
+        (one row) and runs to the first measured batch, and beyond the last with one batch measured it is held by a
+        share of a plain step; an exit round's drafting and full steps are guessed from a plain step until measured.
+        So: batches of two rows and of more measured, and for exit drafts both steps."""
+        points = batches.measured_points()
+        if len(points) < 2 or points[0][0] != 2:
+            return False
+        return choice != Choice.EXIT or (self.draft_step.value is not None and self.full_step.value is not None)
 
     def _exit_terms(self, choice: Choice) -> tuple:
         """What an exit round's price reads besides batches and acceptance (nothing for other choices)."""
@@ -515,8 +544,10 @@ class Controller:
                 return None
             bucket = match.get(choice, 0)
             kept = self._kept_prices.get((choice, drafts, greedy, bucket))
-            if (kept is None or kept.price * (1 - REPRICE_SHARE) < plain
-                    or not self._bounds(kept, choice, greedy, bucket)):
+            if kept is None or kept.price * (1 - REPRICE_SHARE) < plain:
+                return None
+            bound = self._bound(kept, choice, greedy, bucket)
+            if bound is None or bound < plain:
                 return None
             waiting.append(key)
         self._waited[(Choice.PLAIN, False)] = 0
