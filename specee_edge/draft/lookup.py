@@ -30,7 +30,10 @@ MATCH_BUCKETS = (8, 4, 2, 1)  # a match's length, bucketed by these lower bounds
 
 def match_bucket(n: int) -> int:
     """The bucket of a match of n >= 1 tokens: its MATCH_BUCKETS lower bound."""
-    return next(bound for bound in MATCH_BUCKETS if n >= bound)
+    for bound in MATCH_BUCKETS:  # a loop, not next() over a generator: exact mode asks this every round
+        if n >= bound:
+            return bound
+    raise ValueError(f"a match of {n} tokens has no bucket")
 
 
 @dataclass(frozen=True)
@@ -160,5 +163,7 @@ def lookup_drafts(index: PromptLookup, token: int, limit: int, is_eog: Callable[
     that followed the latest earlier occurrence of the context's longest matching suffix, cut after an end of
     generation (nothing is ever decoded past one). `index` is left as it was."""
     found = index.continuation_after(token, limit)
-    end = next((i for i, t in enumerate(found.tokens) if is_eog(t)), None)
-    return found if end is None else Continuation(found.tokens[: end + 1], found.matched)
+    for end, draft in enumerate(found.tokens):  # a loop, not next() over a generator: this runs every round
+        if is_eog(draft):
+            return Continuation(found.tokens[: end + 1], found.matched)
+    return found

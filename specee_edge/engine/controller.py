@@ -94,7 +94,7 @@ class Choice(str, Enum):
     EXIT = "exit"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Plan:
     choice: Choice
     drafts: int              # the round's most drafts (0 for a plain step)
@@ -105,7 +105,7 @@ class Plan:
     match: int = 0           # a lookup round: the bucket of the match its drafts were copied after
 
 
-@dataclass
+@dataclass(slots=True)
 class Outcome:
     """What one round cost and gave, measured by the engine."""
 

@@ -21,7 +21,7 @@ class TokenSource(str, Enum):
     BONUS = "bonus"            # exact mode: the full model's next token after a round it accepted whole
 
 
-@dataclass
+@dataclass(slots=True)
 class Round:
     """One round of exact mode, as the controller chose it; the records of the tokens it emitted share it."""
 
@@ -35,7 +35,7 @@ class Round:
     rows: tuple[int, ...] = () # its verification batch's tokens: the last emitted token, then the drafts
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenRecord:
     """One generated token. Times in milliseconds."""
 
