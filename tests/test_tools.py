@@ -176,3 +176,16 @@ def test_patch_tree_refuses_to_export_what_no_checkout_made(tmp_path):
                                  str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert result.returncode == 1 and reason in result.stderr and "Traceback" not in result.stderr, result.stderr
         assert not (tmp_path / "out").exists()
+
+
+def test_python_per_token_counts_each_lane():
+    """Bytecodes and calls per token for the bare lane, SpecEE off and exact mode, on the same prompts: the engine's
+    stream runs more Python than the bare loop, exact mode more than SpecEE off (lookup and the plan every round)."""
+    out = run_tool("python_per_token", "-n", "6", "-p", "2", "--top", "2", "-t", "1")
+    rows = {row[0]: row[1:] for row in table_rows(out) if row[0] in ("bare", "off", "exact")}
+    assert set(rows) == {"bare", "off", "exact"}, out
+    tokens = {lane: int(cells[0]) for lane, cells in rows.items()}
+    bytecodes = {lane: float(cells[1]) for lane, cells in rows.items()}
+    assert tokens["bare"] == tokens["off"] > 0  # greedy: the same answers
+    assert 0 < bytecodes["bare"] < bytecodes["off"] < bytecodes["exact"], rows
+    assert "exact: bytecodes per token by function" in out
