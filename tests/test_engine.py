@@ -386,7 +386,7 @@ def _naive_stops(stops: list[str], pieces: list[str]) -> tuple[str, bool]:
 def test_stop_matcher_agrees_with_a_naive_search():
     rng = np.random.default_rng(3)
     for _ in range(300):
-        stops = ["".join(rng.choice(list("ab#"), rng.integers(1, 6))) for _ in range(rng.integers(1, 4))]
+        stops = ["".join(rng.choice(list("ab#"), rng.integers(1, 6))) for _ in range(rng.integers(0, 4))]  # none too
         pieces = ["".join(rng.choice(list("ab#c"), rng.integers(0, 5))) for _ in range(rng.integers(1, 12))]
         m, shown, stopped = StopMatcher(stops), "", False
         for piece in pieces:

@@ -65,11 +65,11 @@ class PromptLookup:
         return len(self.tokens)
 
     def extend(self, tokens: Iterable[int]) -> None:
-        tokens_ = self.tokens
+        tokens_, ends, max_n = self.tokens, self._ends, self.max_n  # read once: this runs for every token
         for token in tokens:
             p = len(tokens_)  # the new token's position: every n-gram ending at p - 1 now has a next token
-            for n in range(1, min(self.max_n, p) + 1):
-                self._ends[n].setdefault(tuple(tokens_[p - n : p]), []).append(p - 1)
+            for n in range(1, min(max_n, p) + 1):
+                ends[n].setdefault(tuple(tokens_[p - n : p]), []).append(p - 1)
             tokens_.append(int(token))
 
     def truncate(self, length: int) -> None:

@@ -39,6 +39,8 @@ class StopMatcher:
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to show now, whether a stop string was reached; the stop string itself is dropped)."""
+        if not self.stops:  # most requests have none: no character to match
+            return text, False
         held = self._held + text
         start = len(self._held)
         for i, char in enumerate(text, start):
