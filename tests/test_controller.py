@@ -532,3 +532,16 @@ def test_the_bound_from_a_kept_price_is_never_above_the_price_computed_now(choic
     assert plan(controller, lookup=4, match=0).choice == Choice.PLAIN
     accept(controller, Choice.LOOKUP, 2, 3, rounds=1)
     assert controller._settled_plain({Choice.PLAIN: 0, Choice.LOOKUP: 4}, {Choice.LOOKUP: 0}, True) is not None
+
+
+def test_a_kept_curve_gives_what_computing_it_afresh_gives():
+    """Batch measurements, plain steps and lengths in a random order: every curve the kept one serves equals the
+    curve a BatchCosts without it computes from the same measurements, the plain step's row included."""
+    rng = random.Random(11)
+    costs = BatchCosts()
+    for _ in range(500):
+        if rng.random() < 0.2:
+            costs.add(rng.randint(2, 9), rng.uniform(10.0, 40.0))
+        plain_ms, max_rows = rng.choice([10.0, 10.4, 9.7]), rng.randint(1, 9)
+        afresh = BatchCosts(by_rows=costs.by_rows, version=costs.version)
+        assert costs.curve(max_rows, plain_ms) == afresh.curve(max_rows, plain_ms)

@@ -155,6 +155,7 @@ class BatchCosts:
     by_rows: dict[int, RecentCost] = field(default_factory=dict)
     version: int = 0  # counts the measurements: a price computed from the curve holds while it is unchanged
     _points: tuple[int, list[tuple[int, float]]] = field(default=(-1, []), repr=False, compare=False)  # (version, ...)
+    _curve: tuple[tuple, list[float]] = field(default=((), []), repr=False, compare=False)  # the last curve, keyed
 
     def add(self, rows: int, ms: float, at: int = -1) -> None:
         self.by_rows.setdefault(rows, RecentCost()).add(ms, at)
@@ -170,8 +171,17 @@ class BatchCosts:
         row counts (a plain step is one row), each held to at most what a longer one costs. Beyond the last measured batch, the slope of the last two batches;
         with one batch measured, the slope from a plain step to it or a quarter of a step per row, whichever is
         less (on a CPU a batch's second row costs much more than its later ones: the jump from one row to two is
-        no guide to the rest); never falling."""
+        no guide to the rest); never falling.
+
+        The last curve is kept and serves shorter ones while neither the measurements nor, where a cost from two rows
+        on reads it, the plain step changed: most rounds that price drafts price them from the same curve."""
         measured = self.measured_points()
+        key = (self.version, plain_ms if self.reads_plain() else None)
+        kept_key, kept = self._curve
+        if kept_key == key and len(kept) > max_rows:
+            costs = kept[: max_rows + 1]
+            costs[1] = plain_ms
+            return costs
         points = [(1, plain_ms), *measured]
         if len(measured) >= 2:
             (r0, c0), (r1, c1) = measured[-2:]
@@ -192,7 +202,15 @@ class BatchCosts:
                 costs[rows] = c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
             else:
                 costs[rows] = c0 + beyond * (rows - r0)
+        self._curve = (key, costs[:])
         return costs
+
+    def reads_plain(self) -> bool:
+        """Whether a cost of two rows or more on the curve reads the plain step: unless batches of two rows and of
+        more were measured, the curve runs from a plain step (one row) to the first measured batch, or beyond the only
+        one by at most a share of a plain step."""
+        points = self.measured_points()
+        return len(points) < 2 or points[0][0] != 2
 
     def measured_points(self) -> list[tuple[int, float]]:
         """The measured (rows, cost) points in order, computed once per version (most rounds price from the same
@@ -427,8 +445,7 @@ class Controller:
         (one row) and runs to the first measured batch, and beyond the last with one batch measured it is held by a
         share of a plain step; an exit round's drafting and full steps are guessed from a plain step until measured.
         So: batches of two rows and of more measured, and for exit drafts both steps."""
-        points = batches.measured_points()
-        if len(points) < 2 or points[0][0] != 2:
+        if batches.reads_plain():
             return False
         return choice != Choice.EXIT or (self.draft_step.value is not None and self.full_step.value is not None)
 
