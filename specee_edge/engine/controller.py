@@ -365,11 +365,12 @@ class Controller:
         token); `batch` is the batch curve. A round that drafts also pays the graph the next plain step builds again
         (charged whole: the round after a drafting round is mostly a plain step)."""
         regraph = max(self.regraph.value or 0.0, 0.0)
-        if choice == Choice.LOOKUP:
-            return [(float("inf"), float("inf"))] + [(batch[m + 1] + regraph,) * 2 for m in range(1, max_drafts + 1)]
-        step, full = self._exit_step_ms()
-        return [(float("inf"), float("inf"))] + [(m * step + batch[m + 1] + regraph, full)
-                                                  for m in range(1, max_drafts + 1)]
+        step, full = self._exit_step_ms() if choice == Choice.EXIT else (0.0, None)  # a lookup round never steps
+        costs = [(float("inf"), float("inf"))]
+        for m in range(1, max_drafts + 1):
+            drafting = m * step + batch[m + 1] + regraph
+            costs.append((drafting, drafting if full is None else full))
+        return costs
 
     def _prices(self, choice: Choice, max_drafts: int, greedy: bool, match: int = 0) -> list[float]:
         """The price of a round of `choice` (ms per emitted token) by its draft length 0 .. max_drafts (a drafting
@@ -561,9 +562,7 @@ class Controller:
                 return None
             bucket = match.get(choice, 0)
             kept = self._kept_prices.get((choice, drafts, greedy, bucket))
-            if kept is None or kept.price * (1 - REPRICE_SHARE) < plain:
-                return None
-            bound = self._bound(kept, choice, greedy, bucket)
+            bound = self._bound(kept, choice, greedy, bucket) if kept is not None else None
             if bound is None or bound < plain:
                 return None
             waiting.append(key)
