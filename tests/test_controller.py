@@ -436,6 +436,7 @@ def replay_against_fresh_pricing(monkeypatch, plain_ms, exits: int = 2,
     monkeypatch.setattr(fresh, "_best", lambda choice, m, greedy, match=0, reuse=False: best(fresh, choice, m, greedy,
                                                                                              match, reuse=False))
     monkeypatch.setattr(fresh, "_settled_plain", lambda *args: None)
+    monkeypatch.setattr(fresh, "_priced_alike", lambda *args: False)
     settled_plain = UNPATCHED["_settled_plain"]
     settled = []
 
@@ -519,9 +520,9 @@ def test_the_bound_from_a_kept_price_is_never_above_the_price_computed_now(choic
         max_drafts, match = rng.randint(1, 8), rng.choice([0, 1, 2, 4, 8]) if choice == Choice.LOOKUP else 0
         accept(controller, choice, rng.randint(0, 2), 3, rounds=rng.randint(1, 4), match=match)
         controller._best(choice, max_drafts, True, match)  # kept
-        kept = controller._kept_prices[(choice, max_drafts, True, match)]
+        kept = controller._kept_prices[(choice, True, match)]
         accept(controller, choice, 3, 3, rounds=rng.randint(1, 3), match=match)  # acceptance rises
-        bound = controller._bound(kept, choice, True, match)
+        bound = controller._bound(kept, choice, max_drafts, True, match)
         assert controller._held_acceptance(choice, True, match) > kept.acceptance
         assert bound is not None and bound <= controller._best(choice, max_drafts, True, match)[1] + 1e-12
     # 2-row batches at 40 ms against a 10 ms step: drafting stays far dearer after a small rise, and the short path
@@ -545,3 +546,35 @@ def test_a_kept_curve_gives_what_computing_it_afresh_gives():
         plain_ms, max_rows = rng.choice([10.0, 10.4, 9.7]), rng.randint(1, 9)
         afresh = BatchCosts(by_rows=costs.by_rows, version=costs.version)
         assert costs.curve(max_rows, plain_ms) == afresh.curve(max_rows, plain_ms)
+
+
+def test_prices_kept_for_a_long_round_serve_rounds_offered_fewer_drafts(monkeypatch):
+    """A price does not depend on how many drafts a round was offered: once a round offered 8 drafts was priced,
+    rounds offered 1-7 (same bucket, nothing measured since) are planned from the kept prices, none computed again;
+    and what they plan is what pricing each afresh plans."""
+    controller = measured(10.0, {2: 40.0, 5: 100.0})
+    controller.begin_request()
+    assert plan(controller, lookup=8, match=4).choice == Choice.PLAIN
+    computed = []
+    monkeypatch.setattr(Controller, "_prices", lambda self, *args: computed.append(args))
+    for drafts in range(1, 8):
+        assert controller._settled_plain({Choice.PLAIN: 0, Choice.LOOKUP: drafts}, {Choice.LOOKUP: 4}, True) is not None
+        assert plan(controller, lookup=drafts, match=4).choice == Choice.PLAIN
+    assert computed == []
+
+
+@pytest.mark.parametrize("choice", [Choice.LOOKUP, Choice.EXIT])
+def test_the_best_round_read_from_kept_prices_is_the_cheapest_computed_now(choice):
+    """Kept prices computed for the longest length asked, read at any shorter one (afresh: reuse off), give the
+    draft length and price that min() over the prices of that length alone gives: the shortest of equal prices."""
+    rng = random.Random(5)
+    for _ in range(200):
+        controller = measured(10.0, {2: rng.uniform(11.0, 30.0), 5: rng.uniform(30.0, 60.0)})
+        controller.begin_request()
+        match = rng.choice([0, 1, 2, 4, 8]) if choice == Choice.LOOKUP else 0
+        accept(controller, choice, rng.randint(0, 3), 3, rounds=rng.randint(1, 4), match=match)
+        controller._best(choice, 8, True, match)
+        drafts = rng.randint(1, 8)
+        prices = controller._prices(choice, drafts, True, match)
+        cheapest = min(range(len(prices)), key=prices.__getitem__)
+        assert controller._best(choice, drafts, True, match) == (cheapest, prices[cheapest])

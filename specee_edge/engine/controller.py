@@ -47,8 +47,10 @@ length win, as DEL picks a speculation length per context from the acceptance it
   (explore_ms).
 
 - Most rounds are plain steps, and between two of them little moves: the plain step's median, and acceptance,
-  which shadow rounds raise or lower. So a drafting choice's price is kept with what it was computed from, and
-  a lower bound of the price computed now is derived from it (_bound): with the same batch measurements, the
+  which shadow rounds raise or lower. So a drafting choice's prices are kept with what they were computed from,
+  for every draft length up to the longest any round asked (a price does not depend on how many drafts the round
+  was offered, so a round offered 3 drafts reads what one offered 8 computed), and a lower bound of the price
+  computed now is derived from them (_bound): with the same batch measurements, the
   kept price; where acceptance rose from a_k to a, that price times (a_k / a) ** m for drafts up to m (a round's
   expected tokens grow by at most that); where a term of the price reads the plain step (a batch size not
   measured, interpolated from a plain step), only while the plain step is within REPRICE_SHARE. Plain decoding
@@ -257,19 +259,17 @@ class ExitPrior:
     exit_share: float = 0.5                # share of drafting steps that exit
 
 
-@dataclass(frozen=True)
-class KeptPrice:
-    """A drafting choice's best draft length and its price, with what the price was computed from."""
+@dataclass(frozen=True, slots=True)
+class KeptPrices:
+    """A drafting choice's best round by its longest draft length, with what its prices were computed from."""
 
-    drafts: int
-    price: float
-    max_drafts: int         # the longest draft length it was the best of
-    acceptance: float       # as the price read it (held within 0 .. MAX_ACCEPTANCE)
+    best: list[tuple[int, float]]  # best[d]: for rounds of up to d drafts, the cheapest length and its price
+    acceptance: float       # as the prices read it (held within 0 .. MAX_ACCEPTANCE)
     batches: BatchCosts     # the batch costs that priced it (its kind's, or the other kind's) ...
     batches_version: int    # ... as they were
     regraph_ms: float
     plain_ms: float
-    plain_free: bool        # no term of the price read the plain step (_plain_free)
+    plain_free: bool        # no term of the prices read the plain step (_plain_free)
     exit_terms: tuple       # exit rounds: the drafting and full step's cost, the share of first steps that exit
 
 
@@ -303,9 +303,11 @@ class Controller:
         self._shadow_matched = 0         # ... how many of them the tokens decoded since have equalled
         self._shadow_bucket = 0          # ... the bucket of the match they were copied after
         self._after_batch = False        # the last round ran a verification batch
-        # each drafting choice's last computed best (draft length, price) by (choice, longest, greedy, match), with
-        # what it was computed from
-        self._kept_prices: dict[tuple, KeptPrice] = {}
+        # each drafting choice's last computed prices by (choice, greedy, match), kept as the best round for each
+        # longest draft length, with what they were computed from: a price does not depend on the longest length
+        # offered, so one computation serves every length up to the longest priced
+        self._kept_prices: dict[tuple[Choice, bool, int], KeptPrices] = {}
+        self._priced_drafts = 0  # the longest draft length asked so far: prices are computed that far
 
     @property
     def exit_prior(self) -> ExitPrior:
@@ -400,46 +402,65 @@ class Controller:
 
     def _best(self, choice: Choice, max_drafts: int, greedy: bool, match: int = 0,
               reuse: bool = False) -> tuple[int, float]:
-        """The draft length with the lowest price for `choice`, and that price (computed, and kept for reuse).
+        """The draft length, up to `max_drafts`, with the lowest price for `choice`, and that price (computed, and kept
+        for reuse).
 
-        reuse: a lower bound of the price computed now, from the kept price (_bound), where it can be had, else the
+        reuse: a lower bound of the price computed now, from the kept prices (_bound), where it can be had, else the
         price computed now. A plan in which plain decoding beats such bounds is the plan computed afresh; most
         rounds are plain steps between which only acceptance and the plain step's median have moved."""
         if choice == Choice.PLAIN:
             return 0, self.plain.value
-        key = (choice, max_drafts, greedy, match)
+        key = (choice, greedy, match)
         kept = self._kept_prices.get(key)
-        bound = self._bound(kept, choice, greedy, match) if reuse and kept is not None else None
-        if bound is not None:
-            return kept.drafts, bound
-        prices = self._prices(choice, max_drafts, greedy, match)
-        m = min(range(len(prices)), key=prices.__getitem__)
+        if kept is not None and reuse:
+            bound = self._bound(kept, choice, max_drafts, greedy, match)
+            if bound is not None:
+                return kept.best[max_drafts][0], bound
+        elif kept is not None and self._priced_alike(kept, choice, max_drafts, greedy, match):
+            return kept.best[max_drafts]  # what pricing afresh computes: a round that drafts priced it a moment ago
+        # priced as far as any round asked, so that later rounds offering other lengths find them kept
+        self._priced_drafts = max(self._priced_drafts, max_drafts)
+        prices = self._prices(choice, self._priced_drafts, greedy, match)
+        best, cheapest = [(0, prices[0])], (0, prices[0])
+        for m in range(1, len(prices)):
+            if prices[m] < cheapest[1]:  # the shortest of equal prices, as min() over them picks
+                cheapest = (m, prices[m])
+            best.append(cheapest)
         batches = self._batches(choice)
-        self._kept_prices[key] = KeptPrice(m, prices[m], max_drafts, self._held_acceptance(choice, greedy, match),
-                                           batches, batches.version, max(self.regraph.value or 0.0, 0.0),
-                                           self.plain.value, self._plain_free(choice, batches),
-                                           self._exit_terms(choice))
-        return m, prices[m]
+        self._kept_prices[key] = KeptPrices(best, self._held_acceptance(choice, greedy, match), batches,
+                                            batches.version, max(self.regraph.value or 0.0, 0.0), self.plain.value,
+                                            self._plain_free(choice, batches), self._exit_terms(choice))
+        return best[max_drafts]
 
-    def _bound(self, kept: KeptPrice, choice: Choice, greedy: bool, match: int) -> float | None:
-        """A lower bound of the price computed now, from a kept one (None where none can be had): with the same batch
-        measurements and exit terms, a regraph no cheaper, and a plain step within REPRICE_SHARE of the one it was
-        computed with unless no term read it, the kept price lowered by REPRICE_SHARE; and if acceptance rose from
-        a_k to a, lowered again by (a_k / a) ** max_drafts. For each draft length m <= max_drafts the expected
-        tokens grow by at most (a / a_k) ** m as acceptance rises (each term a ** i, i <= m, by at most that), and
-        the price's costs do not move with it. Compared in place: most rounds ask this, and building the inputs
-        anew cost more than the check."""
+    def _bound(self, kept: KeptPrices, choice: Choice, max_drafts: int, greedy: bool, match: int) -> float | None:
+        """A lower bound of the price of rounds of up to `max_drafts` drafts computed now, from kept prices (None
+        where none can be had): with prices kept that far, the same batch measurements and exit terms, a regraph no
+        cheaper, and a plain step within REPRICE_SHARE of the one they were computed with unless no term read it, the
+        kept price lowered by REPRICE_SHARE; and if acceptance rose from a_k to a, lowered again by
+        (a_k / a) ** max_drafts. For each draft length m <= max_drafts the expected tokens grow by at most
+        (a / a_k) ** m as acceptance rises (each term a ** i, i <= m, by at most that), and the price's costs do not
+        move with it. Compared in place: most rounds ask this, and building the inputs anew cost more than the
+        check."""
         batches = self._batches(choice)
-        if not (batches is kept.batches and batches.version == kept.batches_version
+        if not (max_drafts < len(kept.best) and batches is kept.batches and batches.version == kept.batches_version
                 and max(self.regraph.value or 0.0, 0.0) >= kept.regraph_ms
                 and (kept.plain_free or abs(self.plain.value - kept.plain_ms) <= REPRICE_SHARE * kept.plain_ms)
                 and (choice != Choice.EXIT or self._exit_terms(choice) == kept.exit_terms)):
             return None
-        bound = kept.price * (1 - REPRICE_SHARE)
+        bound = kept.best[max_drafts][1] * (1 - REPRICE_SHARE)
         acceptance = self._held_acceptance(choice, greedy, match)
         if acceptance > kept.acceptance:
-            bound *= (kept.acceptance / acceptance) ** kept.max_drafts
+            bound *= (kept.acceptance / acceptance) ** max_drafts
         return bound
+
+    def _priced_alike(self, kept: KeptPrices, choice: Choice, max_drafts: int, greedy: bool, match: int) -> bool:
+        """Whether kept prices read exactly what a price computed now would read (then they are that price)."""
+        batches = self._batches(choice)
+        return (max_drafts < len(kept.best) and batches is kept.batches and batches.version == kept.batches_version
+                and max(self.regraph.value or 0.0, 0.0) == kept.regraph_ms
+                and (kept.plain_free or self.plain.value == kept.plain_ms)
+                and self._held_acceptance(choice, greedy, match) == kept.acceptance
+                and self._exit_terms(choice) == kept.exit_terms)
 
     def _plain_free(self, choice: Choice, batches: BatchCosts) -> bool:
         """Whether no term of `choice`'s prices reads the plain step's cost: the batch curve begins at a plain step
@@ -561,8 +582,8 @@ class Controller:
                     and self._exploration_may_be_due([choice])):
                 return None
             bucket = match.get(choice, 0)
-            kept = self._kept_prices.get((choice, drafts, greedy, bucket))
-            bound = self._bound(kept, choice, greedy, bucket) if kept is not None else None
+            kept = self._kept_prices.get((choice, greedy, bucket))
+            bound = self._bound(kept, choice, drafts, greedy, bucket) if kept is not None else None
             if bound is None or bound < plain:
                 return None
             waiting.append(key)
