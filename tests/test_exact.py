@@ -217,7 +217,7 @@ def test_the_bench_replay_of_lookup_counts_the_rounds_the_engine_ran(default_mod
         answer = [r.id for r in engine.stream(prompt, max_tokens=max_tokens, sampling=GREEDY)]
         stats = engine.stats
         assert stats.finish_reason == ("length" if max_tokens == 40 else "stop")
-        replay = replay_lookup(prompt, answer, engine.model.is_eog, max_tokens, max_n=engine.lookup_max_n)
+        replay = replay_lookup(prompt, answer, engine.model.eog_ids, max_tokens, max_n=engine.lookup_max_n)
         assert stats.lookup_rounds > 3
         assert (replay.rounds, replay.drafts, replay.accepted) == (stats.lookup_rounds, stats.drafts, stats.accepted)
         assert replay.tokens == stats.n_decode and replay.plain == stats.n_decode - stats.round_tokens
@@ -282,7 +282,10 @@ def test_lookup_after_a_token_equals_extending_the_index_and_leaves_it_as_it_was
         index.extend([token])
         assert found == index.continuation(limit) == scanned_continuation(index.tokens, index.max_n, limit), (
             tokens, token, limit)
-        index.truncate(len(tokens))
+        index.truncate(rng.randrange(len(tokens) + 1))
+        rebuilt = PromptLookup(max_n=index.max_n)
+        rebuilt.extend(index.tokens)
+        assert index._ends == rebuilt._ends  # truncating undid exactly what extending registered
 
 
 def scanned_continuation(tokens: list[int], max_n: int, limit: int):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from specee_edge.draft import LinearDraft
-from specee_edge.draft.lookup import PromptLookup, lookup_proposals
+from specee_edge.draft.lookup import Continuation, PromptLookup, lookup_drafts, lookup_proposals
 from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.errors import SpecEEError
 from specee_edge.pack import read_pack, write_pack
@@ -169,3 +169,14 @@ def test_engine_lookup_follows_its_cache_across_turns_regen_clear_and_interrupti
     reply(question, 24)
     engine.close()
     assert proposals > 20 and exits > 0
+
+
+@pytest.mark.parametrize("eog, expected", [(frozenset(), [3, 9, 4, 5]), (frozenset({9, 2}), [3, 9]),
+                                           (frozenset({5}), [3, 9, 4, 5]), (frozenset({3}), [3])])
+def test_lookup_drafts_end_at_the_first_end_of_generation(eog, expected):
+    """Drafts copied past an end-of-generation token are cut after it (nothing is decoded past one); the index is
+    left as it was."""
+    index = PromptLookup(8)
+    index.extend([1, 2, 3, 9, 4, 5, 7, 1])
+    assert lookup_drafts(index, 2, 4, eog) == Continuation(expected, 2)
+    assert index.tokens == [1, 2, 3, 9, 4, 5, 7, 1]

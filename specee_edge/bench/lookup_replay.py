@@ -8,7 +8,7 @@ would run if it drafted at every match. Where a batch of up to ROUND_MAX_DRAFTS 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
 from specee_edge.draft.lookup import DRAFT_MATCH_N, PromptLookup, lookup_drafts
@@ -46,7 +46,7 @@ class LookupReplay:
                 "speedup_at_unit_batch": self.speedup_at_unit_batch, "rounds": self.rounds, "tokens": self.tokens}
 
 
-def replay_lookup(prompt: Sequence[int], answer: Sequence[int], is_eog: Callable[[int], bool], max_tokens: int,
+def replay_lookup(prompt: Sequence[int], answer: Sequence[int], eog: Set[int], max_tokens: int,
                   max_drafts: int = ROUND_MAX_DRAFTS, max_n: int = DRAFT_MATCH_N) -> LookupReplay:
     """Exact mode's lookup rounds along `answer`, drafting at every match: the engine's own drafts (lookup_drafts,
     cut after an end of generation), at most `max_drafts` and, as in the engine, no more than the tokens the
@@ -57,13 +57,13 @@ def replay_lookup(prompt: Sequence[int], answer: Sequence[int], is_eog: Callable
     out = LookupReplay(tokens=max(len(answer) - 1, 0))
     i = 0  # answer[i] is the last emitted token, not in the index yet
     while i < len(answer) - 1:
-        drafts = lookup_drafts(index, answer[i], min(max_drafts, max_tokens - 2 - i), is_eog).tokens
+        drafts = lookup_drafts(index, answer[i], min(max_drafts, max_tokens - 2 - i), eog).tokens
         emitted = accepted = 0
         for row, token in enumerate(answer[i + 1 : i + 2 + len(drafts)]):  # the tokens drawn at the batch's rows
             source = row_source(drafts, row, token)
             emitted += 1
             accepted += source == TokenSource.ACCEPTED
-            if ends_round(source, token, is_eog):
+            if ends_round(source, token, eog.__contains__):
                 break
         if drafts:
             out.rounds += 1
@@ -77,9 +77,9 @@ def replay_lookup(prompt: Sequence[int], answer: Sequence[int], is_eog: Callable
 
 
 def replay_by_category(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], categories: Sequence[str],
-                       is_eog: Callable[[int], bool], max_tokens: int,
+                       eog: Set[int], max_tokens: int,
                        max_n: int = DRAFT_MATCH_N) -> dict[str, dict[str, float]]:
     totals: dict[str, LookupReplay] = {}
     for prompt, answer, category in zip(prompts, answers, categories):
-        totals.setdefault(category, LookupReplay()).add(replay_lookup(prompt, answer, is_eog, max_tokens, max_n=max_n))
+        totals.setdefault(category, LookupReplay()).add(replay_lookup(prompt, answer, eog, max_tokens, max_n=max_n))
     return {c: r.to_dict() for c, r in sorted(totals.items())}

@@ -386,7 +386,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     reference.close()
     # the replay drafts as the first engine does (its pack's lookup length, its model's ends of generation): before
     # the engines and their models are closed
-    replay = lambda outputs: replay_by_category(prompts, outputs, categories, first.model.is_eog, config.tokens,
+    replay = lambda outputs: replay_by_category(prompts, outputs, categories, first.model.eog_ids, config.tokens,
                                                  first.lookup_max_n)
     lookup_replay = replay(vanilla.outputs)
     lookup_replay_sampled = replay(vanilla_sampled.outputs) if vanilla_sampled else {}

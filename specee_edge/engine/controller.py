@@ -595,32 +595,42 @@ class Controller:
     def observe(self, outcome: Outcome) -> float:
         """Learn from a round; returns what an exploration cost beyond the choice it displaced (0 otherwise)."""
         plan = outcome.plan
+        if plan.choice == Choice.PLAIN:
+            return self.observe_plain(plan, outcome.ms, outcome.greedy)
         self._rounds += 1
         self._explore_budget += EXPLORE_SHARE * outcome.ms
-        if plan.choice == Choice.PLAIN and self._after_batch and self.plain.value is not None:
-            self.regraph.add(outcome.ms - self.plain.value, self._rounds)
-        elif plan.choice == Choice.PLAIN:
-            self.plain.add(outcome.ms, self._rounds)
-        else:
-            if outcome.drafts:
-                self.batches[plan.choice].add(outcome.drafts + 1, outcome.batch_ms, self._rounds)
-                self._count(plan.choice, outcome.greedy, plan.match, outcome.accepted, outcome.drafts)
-            if plan.choice == Choice.EXIT:
-                self.first_exits.add(outcome.full_step_ms is None)
-                for ms in outcome.draft_step_ms:
-                    self.draft_step.add(ms)
-                if outcome.full_step_ms is not None:
-                    self.full_step.add(outcome.full_step_ms)
+        if outcome.drafts:
+            self.batches[plan.choice].add(outcome.drafts + 1, outcome.batch_ms, self._rounds)
+            self._count(plan.choice, outcome.greedy, plan.match, outcome.accepted, outcome.drafts)
+        if plan.choice == Choice.EXIT:
+            self.first_exits.add(outcome.full_step_ms is None)
+            for ms in outcome.draft_step_ms:
+                self.draft_step.add(ms)
+            if outcome.full_step_ms is not None:
+                self.full_step.add(outcome.full_step_ms)
         self._after_batch = outcome.drafts > 0
-        if not plan.explore:
-            return 0.0
-        # the explored choice (or length)'s new price against the best price it displaced: lost again, wait longer
-        prices = self._prices(plan.choice, max(plan.drafts, 1), outcome.greedy, plan.match)
+        return self._explored(plan, outcome.ms, outcome.emitted, outcome.greedy) if plan.explore else 0.0
+
+    def observe_plain(self, plan: Plan, ms: float, greedy: bool = True) -> float:
+        """observe() of a plain step that took `ms` (the engine's most frequent round, told without an Outcome)."""
+        self._rounds += 1
+        self._explore_budget += EXPLORE_SHARE * ms
+        if self._after_batch and self.plain.value is not None:
+            self.regraph.add(ms - self.plain.value, self._rounds)
+        else:
+            self.plain.add(ms, self._rounds)
+        self._after_batch = False
+        return self._explored(plan, ms, 1, greedy) if plan.explore else 0.0
+
+    def _explored(self, plan: Plan, ms: float, emitted: int, greedy: bool) -> float:
+        """An exploration's end: the explored choice (or length)'s new price against the best price it displaced (lost
+        again: wait longer); returns what it cost beyond that price, paid from the budget."""
+        prices = self._prices(plan.choice, max(plan.drafts, 1), greedy, plan.match)
         price = prices[plan.drafts] if plan.other_length else min(prices)
         key = (plan.choice, plan.other_length)
         lost = price > plan.best_ms_per_token
         self._wait[key] = min(self._wait.get(key, EXPLORE_WAIT) * 2, MAX_EXPLORE_WAIT) if lost else EXPLORE_WAIT
-        cost = outcome.ms - outcome.emitted * plan.best_ms_per_token
+        cost = ms - emitted * plan.best_ms_per_token
         self._explore_budget -= cost
         return cost
 

@@ -29,7 +29,7 @@ from threadpoolctl import threadpool_limits
 from specee_edge.chat_templates import NAMED_TEMPLATES, named_template
 from specee_edge.default_model import default_model_path
 from specee_edge.draft.lookup import DRAFT_MATCH_N, LOOKUP_MAX_N, Continuation, PromptLookup, lookup_drafts
-from specee_edge.engine.controller import Choice, Controller, ExitPrior, Outcome
+from specee_edge.engine.controller import Choice, Controller, ExitPrior, Outcome, Plan
 from specee_edge.engine.exit import ExitPolicy, find_pack
 from specee_edge.engine.guard import NO_GUARD, ExitGuard, candidate_margin, continues_word
 from specee_edge.engine.records import GenerationStats, Round, TokenRecord, TokenSource
@@ -124,10 +124,13 @@ class Engine:
         model_path = Path(model) if model is not None else default_model_path()
         self.model = Model(model_path, placement=self.config.placement)
         self.n_layer = self.model.info.n_layer
+        # the end-of-generation tokens, at which exact mode's lookup drafts are cut: found now (a scan of the
+        # vocabulary), not on the first round of the first reply
+        self._eog = self.model.eog_ids
         self.pack_path = find_pack(model_path) if pack == AUTO else (Path(pack) if pack is not None else None)
         self.policy = (ExitPolicy.load(self.pack_path, model_path, quality=self.config.quality,
                                        threshold=self.config.threshold, native=self.config.native,
-                                       eog_tokens=self.model.eog_tokens())
+                                       eog_tokens=sorted(self._eog))
                        if self.pack_path else None)
         self.ctx = Context(self.model, n_ctx=self.config.n_ctx, n_batch=self.config.n_batch,
                            n_threads=self.config.n_threads, flash_attn=self.config.flash_attn)
@@ -463,28 +466,45 @@ class Engine:
         p = self.ctx.n_past
         greedy = draw.params.greedy
         limit = self._round_limit(p, budget)
-        lookup = lookup_drafts(self._history, token, limit, self.model.is_eog) if limit >= 1 else Continuation([], 0)
+        lookup = lookup_drafts(self._history, token, limit, self._eog) if limit >= 1 else Continuation([], 0)
         plan = self.controller.plan(lookup_drafts=len(lookup.tokens), lookup_match=lookup.bucket,
                                     exit_drafts=self._exit_drafts(), limit=limit, greedy=greedy)
+        if plan.choice == Choice.PLAIN:
+            records = [self._plain_round(token, draw, plan)]
+        else:
+            records = self._drafting_round(plan, p, token, lookup.tokens, draw)
+        self.controller.watch_lookup(plan, lookup.tokens, [r.id for r in records], greedy, lookup.bucket)
+        return records
+
+    def _plain_round(self, token: int, draw: Sampler, plan: Plan) -> TokenRecord:
+        """A plain step: `token` through every layer, the next token drawn, and its time told to the controller.
+        Most rounds are these: nothing else is built for them."""
+        t0 = time.perf_counter()
+        record = self._sample(self.step(token, exits=False), draw)
+        ms = (time.perf_counter() - t0) * 1e3
+        record.round = Round(Choice.PLAIN, emitted=1, explored=plan.explore)
+        record.round.explore_ms = self.controller.observe_plain(plan, ms, draw.params.greedy)
+        return record
+
+    def _drafting_round(self, plan: Plan, p: int, token: int, lookup: list[int], draw: Sampler) -> list[TokenRecord]:
+        """A round of `plan`'s drafts (lookup's, or early exits'), checked in one batch; what it cost and accepted
+        told to the controller."""
         t0 = time.perf_counter()
         draft_step_ms: list[float] = []
         full_step_ms = None
         if plan.choice == Choice.LOOKUP:
-            round_, records = self._verify(plan.choice, p, token, lookup.tokens[: plan.drafts], [], draw)
-        elif plan.choice == Choice.EXIT:
+            round_, records = self._verify(plan.choice, p, token, lookup[: plan.drafts], [], draw)
+        else:
             round_, records, draft_step_ms = self._exit_round(p, token, plan.drafts, draw)
             if not round_.drafts:  # the first step did not exit: one full-model token, no batch
                 full_step_ms = records[0].forward_ms + records[0].sample_ms
-        else:
-            round_, records = Round(Choice.PLAIN, emitted=1), [self._sample(self.step(token, exits=False), draw)]
         # a batch's price includes drawing its rows, as a plain step's includes drawing its one
         batch_price_ms = round_.batch_ms + sum(r.sample_ms for r in records) if round_.drafts else 0.0
         round_.explored = plan.explore
         round_.explore_ms = self.controller.observe(Outcome(
             plan, emitted=round_.emitted, ms=(time.perf_counter() - t0) * 1e3, drafts=round_.drafts,
             accepted=round_.accepted, batch_ms=batch_price_ms, draft_step_ms=tuple(draft_step_ms),
-            full_step_ms=full_step_ms, greedy=greedy))
-        self.controller.watch_lookup(plan, lookup.tokens, [r.id for r in records], greedy, lookup.bucket)
+            full_step_ms=full_step_ms, greedy=draw.params.greedy))
         for record in records:
             record.round = round_
         return records
@@ -567,7 +587,8 @@ class Engine:
                 record.draft_layer = step.exit_layer if step is not None else None
             if ends_round(record.source, record.id, self.model.is_eog):
                 break
-        records[-1] = with_costs_of(records[-1], steps[len(records) :])  # drafting steps past the rejection (or an EOS)
+        if len(steps) > len(records):  # drafting steps past the rejection (or an EOS)
+            records[-1] = with_costs_of(records[-1], steps[len(records) :])
         # the cache keeps `token` and every emitted token but the last; the next draft reads the hidden
         # state of the row that emitted that one
         n_keep = p + len(records)

@@ -116,7 +116,8 @@ class GenerationStats:
         round_ = record.round
         if round_ is not None:
             self.tokens_by_choice[round_.choice._value_] += 1  # _value_: .value is a property, slow on this path
-            if round_ is not self._last_round:  # the round's first token: the round itself counts once
+            # the round's first token: the round itself counts once (a plain step that explored nothing adds nothing)
+            if round_ is not self._last_round and (round_.drafts or round_.explored):
                 self._add_round(round_)
             if round_.drafts:
                 self._count_drafts(round_)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import numbers
 import os
 from collections.abc import Iterable
@@ -146,6 +147,12 @@ class Model:
         """Every end-of-generation token of the vocabulary (EOS, end of turn, and the like)."""
         n_vocab = _llama.llama_vocab_n_tokens(self._vocab)
         return [t for t in range(n_vocab) if _llama.llama_vocab_is_eog(self._vocab, t)]
+
+    @functools.cached_property
+    def eog_ids(self) -> frozenset[int]:
+        """eog_tokens(), as a set computed once (a scan of the vocabulary: 26 ms for SmolLM2's 49,152 tokens): exact
+        mode asks of every round's drafts whether one ends the generation, in one set operation."""
+        return frozenset(self.eog_tokens())
 
     @property
     def bos(self) -> int:
