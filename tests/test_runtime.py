@@ -444,3 +444,28 @@ def test_kept_pieces_equal_the_vocabulary_s(default_model):
     assert [model.token_to_piece(t) for t in tokens] == fresh == [model.token_to_piece(t) for t in tokens]
     assert special[0] != fresh[0]  # <|endoftext|> is written out only as a special piece
     assert [model.token_to_piece(t, special=True) for t in tokens] == special
+
+
+def test_logits_views_read_every_decode_as_a_fresh_view_would(tiny_dir):
+    """Context.logits() and the Sampler's draw keep numpy views by the buffer's address: after single steps, after a
+    batch with every row's logits (llama.cpp may then move its buffer) and after steps again, each view reads what
+    a view made afresh from llama.cpp's pointer reads; the kept views stay bounded, and a row the last decode has
+    no logits for is one clear error."""
+    from specee_edge.engine.sampling import GREEDY, Sampler
+    from specee_edge.runtime.context import LogitsViews
+
+    model = Model(tiny_model_path(tiny_dir, "llama"))
+    ctx = Context(model, n_ctx=256, n_batch=128)
+    draw = Sampler(GREEDY, model.info.n_vocab)
+    fresh = lambda row=-1: np.ctypeslib.as_array(llama_c.llama_get_logits_ith(ctx.handle, row), shape=(model.info.n_vocab,))
+    ctx.decode(model.tokenize(TINY_PROMPT, add_special=True))
+    for rows in (1, 1, 9, 1, 70, 1):
+        tokens = [(int(np.argmax(ctx.logits())) + i) % model.info.n_vocab for i in range(rows)]
+        ctx.decode(tokens, output_all=rows > 1)
+        for row in (range(rows) if rows > 1 else [-1]):
+            assert np.array_equal(ctx.logits(row), fresh(row))
+            assert draw.from_context(ctx.handle, row) == int(np.argmax(fresh(row)))
+    assert len(ctx._logits._views) <= LogitsViews.MAX_VIEWS and len(draw._logits._views) <= LogitsViews.MAX_VIEWS
+    with pytest.raises(SpecEEError, match="no logits for output 3"):
+        ctx.logits(3)
+    model.close()

@@ -15,6 +15,7 @@ import llama_cpp
 import numpy as np
 
 from specee_edge.errors import SpecEEError
+from specee_edge.runtime.context import LogitsViews
 from specee_edge.runtime.model import check_token_ids
 
 # Bounds on the fields that size an allocation or go to llama.cpp as 32-bit integers (where a larger value
@@ -162,6 +163,7 @@ class Sampler:
         self.params = params
         self.n_vocab = n_vocab
         self.n_logprobs = n_logprobs
+        self._logits = LogitsViews(n_vocab)  # any llama_context's: the bench draws from llama-cpp-python's too
         if params.greedy and not params.penalized and not params.logit_bias:
             return
         self._chain = sampler_chain(params, n_vocab)
@@ -173,8 +175,7 @@ class Sampler:
         """The next token from a llama_context's logits of output `row` (the last decode's), read in place."""
         if self._chain is not None and not self.params.logit_bias:
             return llama_cpp.llama_sampler_sample(self._chain, ctx, row)  # accepts the token too
-        ptr = llama_cpp.llama_get_logits_ith(ctx, row)
-        return self(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)))
+        return self(self._logits(ctx, row))
 
     def __call__(self, logits: np.ndarray) -> int:
         """The next token from full-vocabulary `logits` (a head-free exit's: finite for its candidates only,

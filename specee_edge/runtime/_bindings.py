@@ -143,3 +143,10 @@ def _bind() -> dict[str, ctypes._CFuncPtr]:
 
 
 C = _bind()
+
+# llama.cpp's llama_get_logits_ith, bound again to return the address (llama-cpp-python's binding returns a float
+# pointer, from which numpy's view is made in numpy.ctypeslib's Python): item access on the library makes a function
+# object of its own, leaving llama-cpp-python's as it is
+logits_address = _lib["llama_get_logits_ith"]
+logits_address.argtypes = [llama_context_p, ctypes.c_int32]
+logits_address.restype = ctypes.c_void_p
