@@ -146,6 +146,12 @@ class Context:
         self.n_batch = _llama.llama_n_batch(self._ctx)  # llama.cpp clamps it to the requested n_ctx
         self.n_vocab = model.info.n_vocab
         self._logits = LogitsViews(self.n_vocab)
+        # a step's batch, kept: a decode of one token writes its id here (building the array and the batch per step
+        # cost about 17 µs of the step's Python)
+        self._step_token = (_llama.llama_token * 1)()
+        self._step_batch = _llama.llama_batch_get_one(self._step_token, 1)
+        # with the CPU the only device, llama_decode returns once the graph has run: nothing to wait for
+        self._waits = rpc.libggml.ggml_backend_dev_count() > 1
         self.n_cand = 0
         self.kv_mode: str | None = None
         self._probe_callback: ProbeCallback | None = None
@@ -415,11 +421,15 @@ class Context:
         if output_all and len(tokens) > self.n_batch:  # logits(row) reads the last llama_decode's outputs only
             raise SpecEEError(f"a decode with every row's logits takes at most n_batch = {self.n_batch} tokens,"
                               f" got {len(tokens)}")
-        for i, chunk in enumerate(self._chunks(list(tokens))):
+        tokens = list(tokens)
+        for i, chunk in enumerate([tokens] if len(tokens) <= self.n_batch else self._chunks(tokens)):
             if i and cancel is not None and cancel():
                 raise DecodeCancelled(f"cancelled after {self.n_past} of the prompt's tokens")
             if output_all:
                 rc = self._decode_all(chunk, self.n_past)
+            elif len(chunk) == 1:  # a step
+                self._step_token[0] = chunk[0]
+                rc = _llama.llama_decode(self._ctx, self._step_batch)
             else:  # llama_batch_get_one asks for the logits of the chunk's last token
                 array = (_llama.llama_token * len(chunk))(*chunk)
                 rc = _llama.llama_decode(self._ctx, _llama.llama_batch_get_one(array, len(chunk)))
@@ -468,8 +478,10 @@ class Context:
         """Wait for the decode's work (on an asynchronous backend, a GPU or RPC workers, llama_decode returns once
         the graph is queued), so that a step's time holds its compute, not the sampling that reads its logits; and
         with layers on RPC workers, see now a worker lost during it: a lost worker's results read as zeros, so
-        nothing it returned may be used. (On the CPU the wait costs one call: the decode has run.)"""
-        _llama.llama_synchronize(self._ctx)
+        nothing it returned may be used. (With the CPU the only device there is nothing to wait for: the decode has
+        run.)"""
+        if self._waits:
+            _llama.llama_synchronize(self._ctx)
         if self.model.workers:
             rpc.check_workers(self.model.workers)
 
