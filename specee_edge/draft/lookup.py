@@ -15,14 +15,11 @@ steps, so a draft after a short match rarely pays and after a long one usually d
 acceptance per MATCH_BUCKETS bucket.
 
 The index keeps, per n-gram, the end positions of its occurrences that have a next token, so that
-appending a token and truncating the context both cost O(max_n): no rescans of the context per token. The
-n-grams of every length share one dict (a tuple's length tells them apart), and a token's n-grams are the
-suffixes of one tuple, cut by slices made once: exact mode indexes every token it decodes, 8 n-grams each.
+appending a token and truncating the context both cost O(max_n): no rescans of the context per token.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Set
 from dataclasses import dataclass
 
@@ -61,45 +58,37 @@ class PromptLookup:
     def __init__(self, max_n: int = LOOKUP_MAX_N):
         self.max_n = max_n
         self.tokens: list[int] = []
-        # _ends[ngram]: end positions e (ascending) of the n-gram's occurrences followed by a token, n = 1 .. max_n
-        self._ends: defaultdict[tuple[int, ...], list[int]] = defaultdict(list)
-        self._suffixes = [slice(-n, None) for n in range(1, max_n + 1)]  # a tuple's suffixes of 1 .. max_n items
+        # _ends[n][ngram]: end positions e (ascending) of the n-gram's occurrences followed by a token
+        self._ends: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_n + 1)]
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def _ngrams_ending_at(self, e: int) -> Iterable[tuple[int, ...]]:
-        """The n-grams ending at position e (n = 1 .. max_n, as far as the context goes): the suffixes of the max_n
-        tokens up to e."""
-        last = tuple(self.tokens[max(e + 1 - self.max_n, 0) : e + 1])
-        return map(last.__getitem__, self._suffixes if e + 1 >= self.max_n else self._suffixes[: e + 1])
-
     def extend(self, tokens: Iterable[int]) -> None:
-        if not self.max_n:
-            self.tokens.extend(map(int, tokens))
-            return
-        tokens_, ends = self.tokens, self._ends  # read once: this runs for every token
+        tokens_, ends, max_n = self.tokens, self._ends, self.max_n  # read once: this runs for every token
         for token in tokens:
-            e = len(tokens_) - 1  # the last token so far: every n-gram ending there now has a next token
-            for ngram in self._ngrams_ending_at(e):
-                ends[ngram].append(e)
+            p = len(tokens_)  # the new token's position: every n-gram ending at p - 1 now has a next token
+            for n in range(1, min(max_n, p) + 1):
+                ends[n].setdefault(tuple(tokens_[p - n : p]), []).append(p - 1)
             tokens_.append(int(token))
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` tokens (as when the KV cache is truncated)."""
-        tokens_, ends = self.tokens, self._ends
+        tokens_ = self.tokens
         while len(tokens_) > max(length, 0):
             tokens_.pop()
-            # the removed token's n-grams: undo what extend registered for them
-            for ngram in self._ngrams_ending_at(len(tokens_) - 1) if self.max_n else ():
-                positions = ends[ngram]
-                positions.pop()
-                if not positions:
-                    del ends[ngram]
+            p = len(tokens_)  # the removed token's position: undo what extend registered for it
+            for n in range(1, min(self.max_n, p) + 1):
+                key = tuple(tokens_[p - n : p])
+                ends = self._ends[n][key]
+                ends.pop()
+                if not ends:
+                    del self._ends[n][key]
 
     def clear(self) -> None:
         self.tokens.clear()
-        self._ends.clear()
+        for ends in self._ends:
+            ends.clear()
 
     def propose(self, max_n: int | None = None) -> int | None:
         """The token after the latest earlier occurrence of the longest matching suffix (up to max_n tokens, default
@@ -134,7 +123,7 @@ class PromptLookup:
             if n <= run:
                 matched, end = n, p - 1
                 continue
-            ends = self._ends.get((*tokens_[p - n + 1 :], token))
+            ends = self._ends[n].get((*tokens_[p - n + 1 :], token))
             if not ends:
                 break
             matched, end = n, ends[-1]
@@ -151,7 +140,7 @@ class PromptLookup:
         tokens_ = self.tokens
         match = None
         for n in range(1, min(max_n, len(tokens_)) + 1):  # going up, as in continuation_after
-            ends = self._ends.get(tuple(tokens_[len(tokens_) - n :]))
+            ends = self._ends[n].get(tuple(tokens_[len(tokens_) - n :]))
             if not ends:
                 break
             match = ends[-1], n
