@@ -578,3 +578,18 @@ def test_the_best_round_read_from_kept_prices_is_the_cheapest_computed_now(choic
         prices = controller._prices(choice, drafts, True, match)
         cheapest = min(range(len(prices)), key=prices.__getitem__)
         assert controller._best(choice, drafts, True, match) == (cheapest, prices[cheapest])
+
+
+def test_a_recent_cost_is_the_median_of_its_window():
+    """RecentCost's median, written out, against statistics.median over the same last COST_WINDOW measurements (odd and
+    even counts)."""
+    import statistics
+
+    from specee_edge.engine.controller import COST_WINDOW, RecentCost
+
+    rng = random.Random(2)
+    cost, seen = RecentCost(), []
+    for _ in range(40):
+        seen.append(rng.choice([rng.uniform(5.0, 50.0), 10.0]))
+        cost.add(seen[-1])
+        assert cost.value == statistics.median(seen[-COST_WINDOW:])

@@ -68,7 +68,6 @@ length win, as DEL picks a speculation length per context from the acceptance it
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -136,7 +135,10 @@ class RecentCost:
     def add(self, ms: float, at: int = -1) -> None:
         self.recent.append(ms)
         self.measured_at = at
-        self.value = statistics.median(self.recent)
+        # the median, written out: statistics.median's checks run after every plain step, cold after its decode
+        ordered = sorted(self.recent)
+        middle = len(ordered) // 2
+        self.value = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 @dataclass
