@@ -477,8 +477,8 @@ class Engine:
         return records
 
     def _plain_round(self, token: int, draw: Sampler, plan: Plan) -> TokenRecord:
-        """A plain step: `token` through every layer, the next token drawn, and its time told to the controller.
-        Most rounds are these: nothing else is built for them."""
+        """A plain step: `token` through every layer, the next token drawn, and its time told to the controller
+        (most rounds are these: no Outcome is built for them)."""
         t0 = time.perf_counter()
         record = self._sample(self.step(token, exits=False), draw)
         ms = (time.perf_counter() - t0) * 1e3

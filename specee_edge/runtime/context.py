@@ -82,7 +82,7 @@ class LogitsViews:
     """The logits of a llama_context's outputs as numpy arrays, read in place: views kept by address. llama.cpp writes
     every decode's logits into the same buffer (a larger one only when a batch needs more rows), so a view made once
     reads every later decode's logits at its address. Made anew at every draw, the view cost 5 µs warm and about
-    60 µs right after a decode (numpy.ctypeslib's Python, run cold), half a plain step's Python."""
+    60 µs right after a decode (numpy.ctypeslib's Python, run cold)."""
 
     MAX_VIEWS = 64  # rows of a verification batch each have their own; past this many, the kept ones are dropped
 
