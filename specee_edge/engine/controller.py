@@ -443,8 +443,7 @@ class Controller:
         (a / a_k) ** m as acceptance rises (each term a ** i, i <= m, by at most that), and the price's costs do not
         move with it. Compared in place: most rounds ask this, and building the inputs anew cost more than the
         check."""
-        batches = self._batches(choice)
-        if not (max_drafts < len(kept.best) and batches is kept.batches and batches.version == kept.batches_version
+        if not (self._same_batches(kept, choice, max_drafts)
                 and max(self.regraph.value or 0.0, 0.0) >= kept.regraph_ms
                 and (kept.plain_free or abs(self.plain.value - kept.plain_ms) <= REPRICE_SHARE * kept.plain_ms)
                 and (choice != Choice.EXIT or self._exit_terms(choice) == kept.exit_terms)):
@@ -455,10 +454,15 @@ class Controller:
             bound *= (kept.acceptance / acceptance) ** max_drafts
         return bound
 
+    def _same_batches(self, kept: KeptPrices, choice: Choice, max_drafts: int) -> bool:
+        """Whether kept prices reach `max_drafts` drafts and were computed from the batch measurements `choice` reads now
+        (what both _bound and _priced_alike ask first)."""
+        batches = self._batches(choice)
+        return max_drafts < len(kept.best) and batches is kept.batches and batches.version == kept.batches_version
+
     def _priced_alike(self, kept: KeptPrices, choice: Choice, max_drafts: int, greedy: bool, match: int) -> bool:
         """Whether kept prices read exactly what a price computed now would read (then they are that price)."""
-        batches = self._batches(choice)
-        return (max_drafts < len(kept.best) and batches is kept.batches and batches.version == kept.batches_version
+        return (self._same_batches(kept, choice, max_drafts)
                 and max(self.regraph.value or 0.0, 0.0) == kept.regraph_ms
                 and (kept.plain_free or self.plain.value == kept.plain_ms)
                 and self._held_acceptance(choice, greedy, match) == kept.acceptance

@@ -467,23 +467,24 @@ class Engine:
         greedy = draw.params.greedy
         limit = self._round_limit(p, budget)
         lookup = lookup_drafts(self._history, token, limit, self._eog) if limit >= 1 else Continuation([], 0)
-        plan = self.controller.plan(lookup_drafts=len(lookup.tokens), lookup_match=lookup.bucket,
+        bucket = lookup.bucket
+        plan = self.controller.plan(lookup_drafts=len(lookup.tokens), lookup_match=bucket,
                                     exit_drafts=self._exit_drafts(), limit=limit, greedy=greedy)
         if plan.choice == Choice.PLAIN:
-            records = [self._plain_round(token, draw, plan)]
+            records = [self._plain_round(token, draw, plan, greedy)]
         else:
             records = self._drafting_round(plan, p, token, lookup.tokens, draw)
-        self.controller.watch_lookup(plan, lookup.tokens, [r.id for r in records], greedy, lookup.bucket)
+        self.controller.watch_lookup(plan, lookup.tokens, [r.id for r in records], greedy, bucket)
         return records
 
-    def _plain_round(self, token: int, draw: Sampler, plan: Plan) -> TokenRecord:
+    def _plain_round(self, token: int, draw: Sampler, plan: Plan, greedy: bool) -> TokenRecord:
         """A plain step: `token` through every layer, the next token drawn, and its time told to the controller
         (most rounds are these: no Outcome is built for them)."""
         t0 = time.perf_counter()
         record = self._sample(self.step(token, exits=False), draw)
         ms = (time.perf_counter() - t0) * 1e3
         record.round = Round(Choice.PLAIN, emitted=1, explored=plan.explore)
-        record.round.explore_ms = self.controller.observe_plain(plan, ms, draw.params.greedy)
+        record.round.explore_ms = self.controller.observe_plain(plan, ms, greedy)
         return record
 
     def _drafting_round(self, plan: Plan, p: int, token: int, lookup: list[int], draw: Sampler) -> list[TokenRecord]:
