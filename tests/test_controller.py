@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -575,7 +576,7 @@ def test_the_best_round_read_from_kept_prices_is_the_cheapest_computed_now(choic
         accept(controller, choice, rng.randint(0, 3), 3, rounds=rng.randint(1, 4), match=match)
         controller._best(choice, 8, True, match)
         drafts = rng.randint(1, 8)
-        prices = controller._prices(choice, drafts, True, match)
+        prices = controller._prices(choice, drafts, controller._held_acceptance(choice, True, match))
         cheapest = min(range(len(prices)), key=prices.__getitem__)
         assert controller._best(choice, drafts, True, match) == (cheapest, prices[cheapest])
 
@@ -593,3 +594,89 @@ def test_a_recent_cost_is_the_median_of_its_window():
         seen.append(rng.choice([rng.uniform(5.0, 50.0), 10.0]))
         cost.add(seen[-1])
         assert cost.value == statistics.median(seen[-COST_WINDOW:])
+
+
+def controller_state(controller: Controller) -> tuple:
+    """What a controller has learnt and will plan from (its caches of prices left out)."""
+    costs = lambda cost: (list(cost.recent), cost.value, cost.measured_at)
+    counts = lambda table: {key: (c.accepted, c.rejected) for key, c in table.items()}
+    return (costs(controller.plain), costs(controller.regraph), controller._rounds, controller._explore_budget,
+            controller._waited, controller._wait, counts(controller._request), counts(controller._lifetime),
+            controller._shadow, controller._shadow_matched, controller._shadow_bucket, controller._after_batch)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_plain_streak_leaves_the_controller_where_planning_every_round_would(seed):
+    """Twin controllers with the same past: one plans every round (plan, observe_plain, watch_lookup), the other grants a
+    plain streak, checks each round's lookup offer against it, tells the shadow rounds as they run and the rest when the
+    streak ends. Each round the streak keeps, plan() chose plain without exploring, and the two end alike. Batches of
+    two rows and more are measured (the prices read no plain step); steps cost up to 15 % more than the median, past the
+    streak's ceiling; exit drafts sometimes; acceptance moving with the shadows."""
+    from copy import deepcopy
+
+    from specee_edge.engine.controller import STREAK_PLAN
+
+    rng = random.Random(seed)
+    granted = kept = ended_by_offer = 0
+    for _ in range(150):
+        streaking = measured(10.0, {2: rng.uniform(11.0, 30.0), 3: rng.uniform(13.0, 40.0), 5: rng.uniform(20.0, 60.0)})
+        exits = rng.choice([0, 0, 3])
+        if exits:
+            streaking.observe(Outcome(Plan(Choice.EXIT, 2, 0.0), emitted=2, ms=30.0, drafts=2, accepted=1,
+                                      batch_ms=rng.uniform(12.0, 40.0), draft_step_ms=(8.0, 8.0)))
+            streaking.observe(Outcome(Plan(Choice.EXIT, 2, 0.0), emitted=1, ms=12.0, full_step_ms=12.0))
+            streaking.observe_plain(Plan(Choice.PLAIN, 0, 0.0), 10.0)  # the step after a batch: the regraph
+        streaking.begin_request()
+        for bucket in (0, 1, 2, 4, 8):
+            accept(streaking, Choice.LOOKUP, rng.randint(0, 3), 3, rounds=rng.randint(0, 3), match=bucket)
+        streaking._waited[(Choice.LOOKUP, False)] = rng.randint(0, EXPLORE_WAIT)
+        streaking._explore_budget = rng.choice([0.0, rng.uniform(0.0, 40.0), 1000.0])  # explorations unaffordable or not
+        planning = deepcopy(streaking)
+        streak = streaking.plain_streak(8, exits, greedy=True)
+        if streak is None:
+            continue
+        granted += 1
+        step_ms, offered = [], []
+        while len(step_ms) < streak.rounds:
+            limit = rng.choice([8, 8, 8, 3, 0])
+            drafts = rng.randint(0, limit)
+            bucket = rng.choice([1, 2, 4, 8]) if drafts else 0
+            if drafts and not streak.plain(drafts, streaking.acceptance(Choice.LOOKUP, True, bucket)):
+                ended_by_offer += 1
+                break
+            chosen = planning.plan(lookup_drafts=drafts, exit_drafts=exits, limit=limit, greedy=True, lookup_match=bucket)
+            assert chosen.choice == Choice.PLAIN and not chosen.explore
+            kept += 1
+            ms = planning.plain.value * rng.uniform(0.85, 1.15)
+            planning.observe_plain(chosen, ms)
+            tokens, emitted = [rng.randrange(3) for _ in range(drafts)], [rng.randrange(3)]
+            planning.watch_lookup(chosen, tokens, emitted, True, bucket)
+            streaking.watch_lookup(STREAK_PLAN, tokens, emitted, True, bucket)
+            step_ms.append(ms)
+            offered.append(drafts if limit else None)
+            if ms > streak.ceiling_ms:
+                break
+        streaking.end_streak(step_ms, offered, exits > 0)
+        assert controller_state(streaking) == controller_state(planning)
+        following = dict(lookup_drafts=rng.randint(1, 8), exit_drafts=exits, limit=8, greedy=True, lookup_match=4)
+        assert streaking.plan(**following) == planning.plan(**following)
+    assert granted >= 30 and kept >= 100 and ended_by_offer >= 5, (granted, kept, ended_by_offer)
+
+
+def test_no_plain_streak_where_a_price_reads_the_plain_step_or_an_exploration_is_due():
+    """A streak needs drafting prices that hold while plain steps run (batches of two rows and more measured) and ends
+    before an exploration could be due; where drafting at any acceptance loses, every offer is the streak's."""
+    assert measured(10.0, {4: 40.0}).plain_streak(8, 0, greedy=True) is None  # one batch size: the curve reads the step
+    dear = measured(10.0, {2: 100.0, 9: 400.0})
+    streak = dear.plain_streak(8, 0, greedy=True)
+    assert all(streak.plain(drafts, 1.0) for drafts in range(9))
+    # an exploration of 2 rows costs 100 - 10 ms beyond the step; the budget grows by 2 % of each step (11 ms at most)
+    assert streak.rounds == math.ceil((100.0 - 11.0 - dear._explore_budget) / (EXPLORE_SHARE * 11.0))
+    dear._explore_budget = 1000.0  # every exploration affordable: the streak ends where lookup's turn comes
+    assert dear.plain_streak(8, 0, greedy=True).rounds == EXPLORE_WAIT - 1
+    dear._waited[(Choice.LOOKUP, False)] = EXPLORE_WAIT - 1
+    assert dear.plain_streak(8, 0, greedy=True) is None
+    cheap = measured(10.0, {2: 12.0, 9: 20.0})  # a batch about a step: drafts pay from a low acceptance on
+    streak = cheap.plain_streak(8, 0, greedy=True)
+    assert streak.plain(8, 0.0) and not streak.plain(1, 0.2) and not streak.plain(8, 0.5)
+    assert Controller(always_draft=True).plain_streak(8, 0, greedy=True) is None

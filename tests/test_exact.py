@@ -203,6 +203,36 @@ def test_prompt_lookup_drafts_rounds_that_repeat_the_context(engine):
     assert all(margin < NEAR_TIE for margin in margins), margins
 
 
+def test_plain_streaks_decode_and_tell_every_round(default_model):
+    """Where batches cost far more than steps, exact mode's rounds run in plain streaks: the answer is vanilla's, the
+    cache holds it, streaks share their Round among their tokens, and every round is told to the controller once,
+    also when the reply is closed in the middle of a streak."""
+    engine = Engine(default_model.info.path, pack=None, config=EngineConfig(n_ctx=1024, n_threads=2))
+    try:
+        prompt = prompt_of(engine, "List the days of the week, twice.")
+        plain = vanilla(engine, prompt, max_tokens=48, sampling=GREEDY)
+        list(engine.stream(prompt, max_tokens=4, sampling=GREEDY))  # a plain step measured
+        engine.reset()
+        for rows, ms in ((2, 1e4), (9, 4e4)):  # drafting can never pay: every round is a streak's until a wait ends
+            engine.controller.batches[Choice.LOOKUP].add(rows, ms)
+        told = engine.controller._rounds
+        records = list(engine.stream(prompt, max_tokens=48, sampling=GREEDY))
+        assert [r.id for r in records] == plain.tokens
+        assert_cache_holds_the_reply(engine, prompt, plain.tokens)
+        assert engine.controller._rounds - told == len(records) - 1  # the first token is the prompt's
+        streaks = [r for r in rounds_of(records) if sum(rec.round is r for rec in records) > 1]
+        assert streaks and all(r.choice == Choice.PLAIN and not r.drafts for r in streaks)
+        engine.reset()
+        told = engine.controller._rounds
+        stream = engine.stream(prompt, max_tokens=48, sampling=GREEDY)
+        closed = [next(stream).id for _ in range(10)]
+        stream.close()
+        assert closed == plain.tokens[:10] and engine.controller._rounds - told == 9
+        assert_cache_holds_the_reply(engine, prompt, closed)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("max_tokens", [40, 200])  # the answer cut by max_tokens; ended by an end of generation
 def test_the_bench_replay_of_lookup_counts_the_rounds_the_engine_ran(default_model, max_tokens):
     """replay_lookup over an answer (the bench's figure for machines where a batch costs a step) against an engine

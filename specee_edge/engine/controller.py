@@ -68,7 +68,9 @@ length win, as DEL picks a speculation length per context from the acceptance it
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -87,6 +89,7 @@ MAX_EXPLORE_WAIT = 256
 EXPLORE_SHARE = 0.02        # of the decoding time, what explorations may spend beyond the choices they displace
 EXPLORE_CARRY = 8.0         # plain steps' worth of exploration budget a request hands to the next at most
 REPRICE_SHARE = 0.02        # a kept drafting price holds while the plain step's cost moves less than this share
+STREAK_JITTER = 0.1         # a plain streak lasts while no step costs more than this share above the plain step's median
 
 
 class Choice(str, Enum):
@@ -104,6 +107,33 @@ class Plan:
     best_ms_per_token: float = 0.0  # the cheapest choice's price (what an exploration displaced)
     other_length: bool = False  # an exploration of the cheapest choice at another draft length
     match: int = 0           # a lookup round: the bucket of the match its drafts were copied after
+
+
+STREAK_PLAN = Plan(Choice.PLAIN, 0, 0.0)  # a plain streak's rounds, as their shadow rounds and steps are told
+
+
+@dataclass(frozen=True, slots=True)
+class PlainStreak:
+    """Rounds to come that plan() would make plain steps without exploring (Controller.plain_streak): the engine
+    decodes them without planning, checking each lookup offer against `most_tokens`, and tells them afterwards."""
+
+    rounds: int          # at most this many rounds ...
+    ceiling_ms: float    # ... and none after a step dearer than this (the plain step's median may then pass it)
+    # by a lookup round's draft length m (index 0 unused): the most tokens it may be expected to emit and still cost
+    # at least ceiling_ms per token (its cost over the ceiling)
+    most_tokens: tuple[float, ...]
+
+    def plain(self, drafts: int, acceptance: float) -> bool:
+        """Whether a round offered `drafts` lookup drafts, each accepted with chance `acceptance` once those before it
+        were, is one of the streak's: no round of up to that many drafts expects more tokens than it may."""
+        a = min(max(acceptance, 0.0), MAX_ACCEPTANCE)  # as prices hold it
+        tokens, term = 1.0, 1.0
+        for m in range(1, drafts + 1):
+            term *= a
+            tokens += term  # E(m)
+            if tokens > self.most_tokens[m]:
+                return False
+        return True
 
 
 @dataclass(slots=True)
@@ -310,6 +340,7 @@ class Controller:
         # offered, so one computation serves every length up to the longest priced
         self._kept_prices: dict[tuple[Choice, bool, int], KeptPrices] = {}
         self._priced_drafts = 0  # the longest draft length asked so far: prices are computed that far
+        self._streak_ceiling: tuple[tuple, float | None] = ((), None)  # plain_streak's ceiling, with what it read
 
     @property
     def exit_prior(self) -> ExitPrior:
@@ -376,16 +407,15 @@ class Controller:
             costs.append((drafting, drafting if full is None else full))
         return costs
 
-    def _prices(self, choice: Choice, max_drafts: int, greedy: bool, match: int = 0) -> list[float]:
+    def _prices(self, choice: Choice, max_drafts: int, a: float) -> list[float]:
         """The price of a round of `choice` (ms per emitted token) by its draft length 0 .. max_drafts (a drafting
-        choice's length 0 is no round: infinite).
+        choice's length 0 is no round: infinite), its drafts accepted with chance `a` (_held_acceptance).
 
         A lookup round of m drafts costs its batch of m + 1 rows. An exit-mode round's first step exits with
         probability q and then drafts (m drafting steps and the batch); else it gives one token."""
         if choice == Choice.PLAIN:
             return [self.plain.value]
         batch = self._batches(choice).curve(max_drafts + 1, self.plain.value)
-        a = self._held_acceptance(choice, greedy, match)
         q = 1.0
         if choice == Choice.EXIT:
             q = self.first_exits.value if self.first_exits.value is not None else self.exit_prior.exit_share
@@ -422,7 +452,7 @@ class Controller:
             return kept.best[max_drafts]  # what pricing afresh computes: a round that drafts priced it a moment ago
         # priced as far as any round asked, so that later rounds offering other lengths find them kept
         self._priced_drafts = max(self._priced_drafts, max_drafts)
-        prices = self._prices(choice, self._priced_drafts, greedy, match)
+        prices = self._prices(choice, self._priced_drafts, self._held_acceptance(choice, greedy, match))
         best, cheapest = [(0, prices[0])], (0, prices[0])
         for m in range(1, len(prices)):
             if prices[m] < cheapest[1]:  # the shortest of equal prices, as min() over them picks
@@ -491,21 +521,24 @@ class Controller:
 
     def _exploration_may_be_due(self, choices) -> bool:
         """Whether plan() could explore one of `choices` (drafting choices, plain decoding being the best) this round:
-        one has waited its turn and the budget covers the cheapest round it could take: the least a batch of two
-        rows or more costs on the batch curve (its two-row cost, or a measured one: the curve runs straight between
-        them), the regraph, and for exit drafts one drafting step."""
+        one has waited its turn and the budget covers the cheapest round it could take (_least_exploration_ms)."""
         plain = self.plain.value
-        regraph = max(self.regraph.value or 0.0, 0.0)
         for choice in choices:
             key = (choice, False)
             if self._waited.get(key, 0) + 1 < self._wait.get(key, EXPLORE_WAIT):
                 continue
-            batches = self._batches(choice)
-            measured = [cost for _, cost in batches.measured_points()]
-            drafting = self._exit_step_ms()[0] if choice == Choice.EXIT else 0.0
-            if min([batches.curve(2, plain)[2], *measured]) + regraph + drafting - plain <= self._explore_budget:
+            if self._least_exploration_ms(choice) - plain <= self._explore_budget:
                 return True
         return False
+
+    def _least_exploration_ms(self, choice: Choice) -> float:
+        """The least a round exploring `choice` could cost: the least a batch of two rows or more costs on the batch
+        curve (its two-row cost, or a measured one: the curve runs straight between them), the regraph, and for exit
+        drafts one drafting step."""
+        batches = self._batches(choice)
+        measured = [cost for _, cost in batches.measured_points()]
+        drafting = self._exit_step_ms()[0] if choice == Choice.EXIT else 0.0
+        return min([batches.curve(2, self.plain.value)[2], *measured]) + max(self.regraph.value or 0.0, 0.0) + drafting
 
     def _exit_step_ms(self) -> tuple[float, float]:
         """An exit round's drafting step that exited, and its first step when that ran every layer (guesses from a
@@ -598,6 +631,60 @@ class Controller:
             self._waited[key] = self._waited.get(key, 0) + 1
         return Plan(Choice.PLAIN, 0, plain, best_ms_per_token=plain)
 
+    def plain_streak(self, lookup_drafts: int, exit_drafts: int, greedy: bool) -> PlainStreak | None:
+        """The coming rounds that cannot draft profitably, as far as can be known now (None: plan the next round).
+        lookup_drafts, exit_drafts: the most drafts a round may be offered of each kind (0: exits cannot draft).
+
+        A plain step's price is its median; the streak's rounds are told to the controller (observe_plain) only when it
+        ends, so the median may have moved meanwhile: each drafting price is checked against a ceiling instead, at most
+        STREAK_JITTER above the median. While no step of the streak costs more than the ceiling, the median stays at
+        most that (it is the middle of its window: a value at most the ceiling never lifts the middle past it). Those
+        prices must read no plain step (_plain_free), and plain rounds move nothing else they read but lookup's
+        acceptance, which its shadow rounds keep current meanwhile: exit rounds must cost at least the ceiling, and
+        each round's lookup offer is checked against what its round would have to emit to pay (PlainStreak.plain). The
+        streak ends before any choice could be explored (_unexplored_rounds). So plan() would choose each of its rounds plain
+        and explore nothing: the engine decodes them without asking, and tells them afterwards (end_streak)."""
+        plain = self.plain.value
+        if self.always_draft or plain is None or self._after_batch or lookup_drafts < 1:
+            return None
+        longest = {Choice.LOOKUP: lookup_drafts}
+        if exit_drafts >= 1:
+            longest[Choice.EXIT] = exit_drafts
+        if not all(self._plain_free(choice, self._batches(choice)) for choice in longest):
+            return None
+        ceiling = plain * (1 + STREAK_JITTER)
+        if Choice.EXIT in longest:
+            ceiling = min(ceiling, *self._prices(Choice.EXIT, exit_drafts, self._held_acceptance(Choice.EXIT, greedy, 0)))
+            if ceiling < plain:
+                return None
+        rounds = min(self._unexplored_rounds(choice, ceiling) for choice in longest)
+        if rounds < 1:
+            return None
+        batch = self._batches(Choice.LOOKUP).curve(lookup_drafts + 1, plain)
+        costs = self._round_costs(Choice.LOOKUP, lookup_drafts, batch)
+        return PlainStreak(rounds, ceiling, (0.0, *(drafting / ceiling for drafting, _ in costs[1:])))
+
+    def _unexplored_rounds(self, choice: Choice, ceiling_ms: float) -> int:
+        """How many rounds to come cannot explore `choice` while no step costs more than `ceiling_ms`: it is explored
+        only once it has waited its turn and the budget covers its cheapest round beyond a plain step, and each plain
+        round adds EXPLORE_SHARE of its time to the budget."""
+        key = (choice, False)
+        waits = self._wait.get(key, EXPLORE_WAIT) - self._waited.get(key, 0) - 1
+        short = self._least_exploration_ms(choice) - ceiling_ms - self._explore_budget
+        return max(waits, math.ceil(short / (EXPLORE_SHARE * ceiling_ms)))
+
+    def end_streak(self, step_ms: Sequence[float], offered: Sequence[int | None], exits: bool, greedy: bool = True) -> None:
+        """Tell the controller a plain streak's rounds as plan() and observe_plain() would have been told them: each
+        one's step time, and the lookup drafts it was offered (None: it could check none, and plan() was not asked
+        to choose); `exits`: exit drafts could be had. Lookup waited a round longer to be explored where it offered
+        drafts, exits wherever a round could check drafts. Their shadow rounds were told as they ran (watch_lookup)."""
+        for ms, drafts in zip(step_ms, offered):
+            if drafts is not None and (drafts or exits):
+                self._waited[(Choice.PLAIN, False)] = 0
+                for key in [(Choice.EXIT, False)] * exits + [(Choice.LOOKUP, False)] * (drafts > 0):
+                    self._waited[key] = self._waited.get(key, 0) + 1
+            self.observe_plain(STREAK_PLAN, ms, greedy)
+
     def observe(self, outcome: Outcome) -> float:
         """Learn from a round; returns what an exploration cost beyond the choice it displaced (0 otherwise)."""
         plan = outcome.plan
@@ -631,7 +718,7 @@ class Controller:
     def _explored(self, plan: Plan, ms: float, emitted: int, greedy: bool) -> float:
         """An exploration's end: the explored choice (or length)'s new price against the best price it displaced (lost
         again: wait longer); returns what it cost beyond that price, paid from the budget."""
-        prices = self._prices(plan.choice, max(plan.drafts, 1), greedy, plan.match)
+        prices = self._prices(plan.choice, max(plan.drafts, 1), self._held_acceptance(plan.choice, greedy, plan.match))
         price = prices[plan.drafts] if plan.other_length else min(prices)
         key = (plan.choice, plan.other_length)
         lost = price > plan.best_ms_per_token

@@ -18,7 +18,7 @@ import codecs
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +29,7 @@ from threadpoolctl import threadpool_limits
 from specee_edge.chat_templates import NAMED_TEMPLATES, named_template
 from specee_edge.default_model import default_model_path
 from specee_edge.draft.lookup import DRAFT_MATCH_N, LOOKUP_MAX_N, Continuation, PromptLookup, lookup_drafts
-from specee_edge.engine.controller import Choice, Controller, ExitPrior, Outcome, Plan
+from specee_edge.engine.controller import STREAK_PLAN, Choice, Controller, ExitPrior, Outcome, Plan, PlainStreak
 from specee_edge.engine.exit import ExitPolicy, find_pack
 from specee_edge.engine.guard import NO_GUARD, ExitGuard, candidate_margin, continues_word
 from specee_edge.engine.records import GenerationStats, Round, TokenRecord, TokenSource
@@ -450,14 +450,22 @@ class Engine:
     # --- exact mode ------------------------------------------------------------------------
 
     def _exact_records(self, draw: Sampler, max_tokens: int) -> Iterator[TokenRecord]:
-        """Exact mode: round after round as the controller plans them; every emitted token is the full model's own."""
+        """Exact mode: round after round as the controller plans them, where it cannot tell in advance that the coming
+        rounds are plain steps (a plain streak); every emitted token is the full model's own."""
         record = self._sample(TokenRecord(), draw)  # from the prompt's logits, the full model's
         yield record
-        n_emitted = 1
+        token, n_emitted = record.id, 1
+        greedy = draw.params.greedy
         while True:
-            for record in self._round(record.id, draw, max_tokens - n_emitted):
+            streak = self.controller.plain_streak(self.config.draft_max, self._exit_drafts(), greedy)
+            if streak is not None:
+                emitted = yield from self._plain_streak(token, draw, max_tokens - n_emitted, streak)
+                if emitted:
+                    token, n_emitted = emitted[-1], n_emitted + len(emitted)
+            for record in self._round(token, draw, max_tokens - n_emitted):  # a streak ends where a round needs a plan
                 n_emitted += 1
                 yield record
+            token = record.id
 
     def _round(self, token: int, draw: Sampler, budget: int) -> list[TokenRecord]:
         """One round after `token`, the last emitted token (not in the cache yet): a plain step, or drafts checked
@@ -476,6 +484,42 @@ class Engine:
             records = self._drafting_round(plan, p, token, lookup.tokens, draw)
         self.controller.watch_lookup(plan, lookup.tokens, [r.id for r in records], greedy, bucket)
         return records
+
+    def _plain_streak(self, token: int, draw: Sampler, budget: int,
+                      streak: PlainStreak) -> Generator[TokenRecord, None, list[int]]:
+        """Rounds that cannot draft profitably (Controller.plain_streak), after `token`, with `budget` tokens left to
+        emit: each is lookup's offer, checked against the streak (PlainStreak.plain), then a plain step and its draw, and the
+        offer's shadow round; the plan that would have been made, and the step's time, are told to the controller when
+        the streak ends (or the reply does), in order. A round whose offer might pay ends the streak undecoded: the
+        round after a streak is planned. Returns the emitted tokens."""
+        p = self.ctx.n_past
+        greedy = draw.params.greedy
+        emitted: list[int] = []
+        step_ms: list[float] = []
+        offered: list[int | None] = []  # the lookup drafts each round was offered (None: it could check none)
+        round_ = Round(Choice.PLAIN, emitted=1)
+        try:
+            while len(step_ms) < streak.rounds:
+                i = len(step_ms)
+                limit = self._round_limit(p + i, budget - i)
+                lookup = lookup_drafts(self._history, token, limit, self._eog) if limit >= 1 else Continuation([], 0)
+                drafts = len(lookup.tokens)
+                if drafts and not streak.plain(drafts, self.controller.acceptance(Choice.LOOKUP, greedy, lookup.bucket)):
+                    break
+                t0 = time.perf_counter()
+                record = self._sample(self.step(token, exits=False), draw)
+                step_ms.append((time.perf_counter() - t0) * 1e3)
+                offered.append(drafts if limit >= 1 else None)
+                token = record.id
+                emitted.append(token)
+                self.controller.watch_lookup(STREAK_PLAN, lookup.tokens, [token], greedy, lookup.bucket)
+                record.round = round_
+                yield record
+                if step_ms[-1] > streak.ceiling_ms:
+                    break
+        finally:
+            self.controller.end_streak(step_ms, offered, self._exit_drafts() > 0, greedy)
+        return emitted
 
     def _plain_round(self, token: int, draw: Sampler, plan: Plan, greedy: bool) -> TokenRecord:
         """A plain step: `token` through every layer, the next token drawn, and its time told to the controller
