@@ -641,7 +641,7 @@ def test_a_plain_streak_leaves_the_controller_where_planning_every_round_would(s
             limit = rng.choice([8, 8, 8, 3, 0])
             drafts = rng.randint(0, limit)
             bucket = rng.choice([1, 2, 4, 8]) if drafts else 0
-            if drafts and not streak.plain(drafts, streaking.acceptance(Choice.LOOKUP, True, bucket)):
+            if drafts and not streak.keeps(drafts, streaking.acceptance(Choice.LOOKUP, True, bucket)):
                 ended_by_offer += 1
                 break
             chosen = planning.plan(lookup_drafts=drafts, exit_drafts=exits, limit=limit, greedy=True, lookup_match=bucket)
@@ -669,7 +669,7 @@ def test_no_plain_streak_where_a_price_reads_the_plain_step_or_an_exploration_is
     assert measured(10.0, {4: 40.0}).plain_streak(8, 0, greedy=True) is None  # one batch size: the curve reads the step
     dear = measured(10.0, {2: 100.0, 9: 400.0})
     streak = dear.plain_streak(8, 0, greedy=True)
-    assert all(streak.plain(drafts, 1.0) for drafts in range(9))
+    assert all(streak.keeps(drafts, 1.0) for drafts in range(9))
     # an exploration of 2 rows costs 100 - 10 ms beyond the step; the budget grows by 2 % of each step (11 ms at most)
     assert streak.rounds == math.ceil((100.0 - 11.0 - dear._explore_budget) / (EXPLORE_SHARE * 11.0))
     dear._explore_budget = 1000.0  # every exploration affordable: the streak ends where lookup's turn comes
@@ -678,5 +678,5 @@ def test_no_plain_streak_where_a_price_reads_the_plain_step_or_an_exploration_is
     assert dear.plain_streak(8, 0, greedy=True) is None
     cheap = measured(10.0, {2: 12.0, 9: 20.0})  # a batch about a step: drafts pay from a low acceptance on
     streak = cheap.plain_streak(8, 0, greedy=True)
-    assert streak.plain(8, 0.0) and not streak.plain(1, 0.2) and not streak.plain(8, 0.5)
+    assert streak.keeps(8, 0.0) and not streak.keeps(1, 0.2) and not streak.keeps(8, 0.5)
     assert Controller(always_draft=True).plain_streak(8, 0, greedy=True) is None

@@ -131,7 +131,7 @@ class PlainStreak:
     # at least ceiling_ms per token (its cost over the ceiling)
     most_tokens: tuple[float, ...]
 
-    def plain(self, drafts: int, acceptance: float) -> bool:
+    def keeps(self, drafts: int, acceptance: float) -> bool:
         """Whether a round offered `drafts` lookup drafts, each accepted with chance `acceptance` once those before it
         were, is one of the streak's: no round of up to that many drafts expects more tokens than it may."""
         a = min(max(acceptance, 0.0), MAX_ACCEPTANCE)  # as prices hold it
@@ -649,9 +649,9 @@ class Controller:
         most that (it is the middle of its window: a value at most the ceiling never lifts the middle past it). Those
         prices must read no plain step (_plain_free), and plain rounds move nothing else they read but lookup's
         acceptance, which its shadow rounds keep current meanwhile: exit rounds must cost at least the ceiling, and
-        each round's lookup offer is checked against what its round would have to emit to pay (PlainStreak.plain). The
-        streak ends before any choice could be explored (_unexplored_rounds). So plan() would choose each of its rounds plain
-        and explore nothing: the engine decodes them without asking, and tells them afterwards (end_streak)."""
+        each round's lookup offer is checked against what its round would have to emit to pay (PlainStreak.keeps). The
+        streak ends before any choice could be explored (_unexplored_rounds). So plan() would choose each of its rounds
+        plain and explore nothing: the engine decodes them without asking, and tells them afterwards (end_streak)."""
         plain = self.plain.value
         if self.always_draft or plain is None or self._after_batch or lookup_drafts < 1:
             return None
@@ -662,7 +662,8 @@ class Controller:
             return None
         ceiling = plain * (1 + STREAK_JITTER)
         if Choice.EXIT in longest:
-            ceiling = min(ceiling, *self._prices(Choice.EXIT, exit_drafts, self._held_acceptance(Choice.EXIT, greedy, 0)))
+            exit_acceptance = self._held_acceptance(Choice.EXIT, greedy, 0)  # plain rounds leave it alone
+            ceiling = min(ceiling, *self._prices(Choice.EXIT, exit_drafts, exit_acceptance))
             if ceiling < plain:
                 return None
         rounds = min(self._unexplored_rounds(choice, ceiling) for choice in longest)
@@ -681,7 +682,8 @@ class Controller:
         short = self._least_exploration_ms(choice) - ceiling_ms - self._explore_budget
         return max(waits, math.ceil(short / (EXPLORE_SHARE * ceiling_ms)))
 
-    def end_streak(self, step_ms: Sequence[float], offered: Sequence[int | None], exits: bool, greedy: bool = True) -> None:
+    def end_streak(self, step_ms: Sequence[float], offered: Sequence[int | None], exits: bool,
+                   greedy: bool = True) -> None:
         """Tell the controller a plain streak's rounds as plan() and observe_plain() would have been told them: each
         one's step time, and the lookup drafts it was offered (None: it could check none, and plan() was not asked
         to choose); `exits`: exit drafts could be had. Lookup waited a round longer to be explored where it offered

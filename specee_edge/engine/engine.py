@@ -488,10 +488,10 @@ class Engine:
     def _plain_streak(self, token: int, draw: Sampler, budget: int,
                       streak: PlainStreak) -> Generator[TokenRecord, None, list[int]]:
         """Rounds that cannot draft profitably (Controller.plain_streak), after `token`, with `budget` tokens left to
-        emit: each is lookup's offer, checked against the streak (PlainStreak.plain), then a plain step and its draw, and the
-        offer's shadow round; the plan that would have been made, and the step's time, are told to the controller when
-        the streak ends (or the reply does), in order. A round whose offer might pay ends the streak undecoded: the
-        round after a streak is planned. Returns the emitted tokens."""
+        emit: each is lookup's offer, checked against the streak (PlainStreak.keeps), then a plain step and its draw,
+        and the offer's shadow round; the plan that would have been made, and the step's time, are told to the
+        controller when the streak ends (or the reply does), in order. A round whose offer might pay ends the streak
+        undecoded: the round after a streak is planned. Returns the emitted tokens."""
         p = self.ctx.n_past
         greedy = draw.params.greedy
         emitted: list[int] = []
@@ -504,8 +504,8 @@ class Engine:
                 limit = self._round_limit(p + i, budget - i)
                 lookup = lookup_drafts(self._history, token, limit, self._eog) if limit >= 1 else Continuation([], 0)
                 drafts = len(lookup.tokens)
-                if drafts and not streak.plain(drafts, self.controller.acceptance(Choice.LOOKUP, greedy, lookup.bucket)):
-                    break
+                if drafts and not streak.keeps(drafts, self.controller.acceptance(Choice.LOOKUP, greedy, lookup.bucket)):
+                    break  # an offer that might pay: its round is planned
                 t0 = time.perf_counter()
                 record = self._sample(self.step(token, exits=False), draw)
                 step_ms.append((time.perf_counter() - t0) * 1e3)
