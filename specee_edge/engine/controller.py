@@ -66,9 +66,9 @@ length win, as DEL picks a speculation length per context from the acceptance it
   plain step), they hold while plain steps run, and only lookup's acceptance moves; so the controller can grant a
   plain streak (plain_streak): the coming rounds whose every exit round costs more than a ceiling a little above the
   plain step, and whose lookup offer, at the acceptance its shadow rounds keep current, would not pay either, until
-  an exploration could be due or a step costs more than the ceiling. The engine decodes those rounds as the bare
-  context does (lookup, a step, a draw, the shadow) and tells the rest afterwards (end_streak): the controller ends
-  where planning every round would have left it (tests/test_controller.py checks both, round by round).
+  an exploration could be due or a step costs more than the ceiling. The engine decodes those rounds without a plan
+  (lookup, a step, a draw, the shadow) and tells the rest afterwards (end_streak): the controller ends where
+  planning every round would have left it (tests/test_controller.py checks both, round by round).
 
 `always_draft` replaces the choice with classic speculative decoding's: draft at every chance, as many as allowed
 (lookup where the context matches, else exits), which is what llama.cpp's speculation does; still measured.
@@ -348,7 +348,6 @@ class Controller:
         # offered, so one computation serves every length up to the longest priced
         self._kept_prices: dict[tuple[Choice, bool, int], KeptPrices] = {}
         self._priced_drafts = 0  # the longest draft length asked so far: prices are computed that far
-        self._streak_ceiling: tuple[tuple, float | None] = ((), None)  # plain_streak's ceiling, with what it read
 
     @property
     def exit_prior(self) -> ExitPrior:
