@@ -179,4 +179,5 @@ def test_lookup_drafts_end_at_the_first_end_of_generation(eog, expected):
     index = PromptLookup(8)
     index.extend([1, 2, 3, 9, 4, 5, 7, 1])
     assert lookup_drafts(index, 2, 4, eog) == Continuation(expected, 2)
+    assert lookup_drafts(index, 2, 0, eog) == Continuation([], 0)  # a round that may check no drafts is offered none
     assert index.tokens == [1, 2, 3, 9, 4, 5, 7, 1]

@@ -161,8 +161,10 @@ def lookup_proposals(tokens: list[int], start: int, stop: int, max_n: int = LOOK
 def lookup_drafts(index: PromptLookup, token: int, limit: int, eog: Set[int]) -> Continuation:
     """Exact mode's lookup drafts after `token` (the last emitted token, not in `index` yet): up to `limit` tokens
     that followed the latest earlier occurrence of the context's longest matching suffix, cut after an end of
-    generation (`eog`: the model's end-of-generation tokens; nothing is ever decoded past one). `index` is left as
-    it was."""
+    generation (`eog`: the model's end-of-generation tokens; nothing is ever decoded past one); none where `limit` is
+    below 1 (a round that may check no drafts). `index` is left as it was."""
+    if limit < 1:
+        return Continuation([], 0)
     found = index.continuation_after(token, limit)
     if eog.isdisjoint(found.tokens):  # most rounds: one set operation, where asking of each draft cost a call each
         return found

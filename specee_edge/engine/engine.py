@@ -28,7 +28,7 @@ from threadpoolctl import threadpool_limits
 
 from specee_edge.chat_templates import NAMED_TEMPLATES, named_template
 from specee_edge.default_model import default_model_path
-from specee_edge.draft.lookup import DRAFT_MATCH_N, LOOKUP_MAX_N, Continuation, PromptLookup, lookup_drafts
+from specee_edge.draft.lookup import DRAFT_MATCH_N, LOOKUP_MAX_N, PromptLookup, lookup_drafts
 from specee_edge.engine.controller import STREAK_PLAN, Choice, Controller, ExitPrior, Outcome, Plan, PlainStreak
 from specee_edge.engine.exit import ExitPolicy, find_pack
 from specee_edge.engine.guard import NO_GUARD, ExitGuard, candidate_margin, continues_word
@@ -474,7 +474,7 @@ class Engine:
         p = self.ctx.n_past
         greedy = draw.params.greedy
         limit = self._round_limit(p, budget)
-        lookup = lookup_drafts(self._history, token, limit, self._eog) if limit >= 1 else Continuation([], 0)
+        lookup = lookup_drafts(self._history, token, limit, self._eog)
         bucket = lookup.bucket
         plan = self.controller.plan(lookup_drafts=len(lookup.tokens), lookup_match=bucket,
                                     exit_drafts=self._exit_drafts(), limit=limit, greedy=greedy)
@@ -502,7 +502,7 @@ class Engine:
             while len(step_ms) < streak.rounds:
                 i = len(step_ms)
                 limit = self._round_limit(p + i, budget - i)
-                lookup = lookup_drafts(self._history, token, limit, self._eog) if limit >= 1 else Continuation([], 0)
+                lookup = lookup_drafts(self._history, token, limit, self._eog)
                 drafts = len(lookup.tokens)
                 if drafts and not streak.keeps(drafts, self.controller.acceptance(Choice.LOOKUP, greedy, lookup.bucket)):
                     break  # an offer that might pay: its round is planned
