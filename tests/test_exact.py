@@ -233,6 +233,35 @@ def test_plain_streaks_decode_and_tell_every_round(default_model):
         engine.close()
 
 
+FILLER = "Read this, then list the days of the week, twice. " + "The weather was calm and the sea was quiet. " * 18
+
+
+@pytest.mark.parametrize("question, ending", [
+    (FILLER, {"max_tokens": 256}),  # a prompt of 224 tokens in 256 cells: the cache fills 33 tokens in
+    ("List the days of the week, twice.", {"max_tokens": 48, "stop": ["Thursday:"]}),
+], ids=["full context", "stop string"])
+def test_a_reply_that_ends_during_plain_streaks_is_vanillas(default_model, question, ending):
+    """A full context or a stop string ends the reply wherever the streaks are: vanilla's tokens and finish reason,
+    the cache holds the reply, and each round is told to the controller once."""
+    engine = Engine(default_model.info.path, pack=None, config=EngineConfig(n_ctx=256, n_threads=2))
+    try:
+        prompt = prompt_of(engine, question)
+        plain = vanilla(engine, prompt, sampling=GREEDY, **ending)
+        list(engine.stream(prompt, max_tokens=4, sampling=GREEDY))  # a plain step measured
+        engine.reset()
+        for rows, ms in ((2, 1e4), (9, 4e4)):  # drafting can never pay
+            engine.controller.batches[Choice.LOOKUP].add(rows, ms)
+        told = engine.controller._rounds
+        records = list(engine.stream(prompt, sampling=GREEDY, **ending))
+        assert [r.id for r in records] == plain.tokens
+        assert engine.stats.finish_reason == plain.stats.finish_reason == ("context" if question == FILLER else "stop")
+        assert engine.controller._rounds - told == len(records) - 1
+        assert any(sum(rec.round is r for rec in records) > 1 for r in rounds_of(records))  # streaks ran
+        assert_cache_holds_the_reply(engine, prompt, plain.tokens)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("max_tokens", [40, 200])  # the answer cut by max_tokens; ended by an end of generation
 def test_the_bench_replay_of_lookup_counts_the_rounds_the_engine_ran(default_model, max_tokens):
     """replay_lookup over an answer (the bench's figure for machines where a batch costs a step) against an engine
