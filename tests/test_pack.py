@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 import specee_edge.pack.io as pack_io
 from specee_edge.cli import app
 from specee_edge.default_model import default_model_path
+from specee_edge.engine.controller import ROUND_MAX_DRAFTS
 from specee_edge.errors import SpecEEError
 from specee_edge.exits import ExitKind
 from specee_edge.gguf_index import GGUFIndex
@@ -437,6 +438,8 @@ def test_info_says_an_exact_level_without_exits_drafts_by_lookup():
     assert exact.off
     cell = _exits_cell(exact)
     assert "prompt lookup alone" in cell and "controller" in cell and "plainly" not in cell
+    # lookup drafts as long as a round may be, whatever max_draft calibration measured (only "always" caps them)
+    assert f"prompt lookup up to {ROUND_MAX_DRAFTS} a round" in cell and "exits up to" not in cell
     assert _exits_cell(lossy_off) == "none: decodes plainly"
 
 

@@ -130,7 +130,8 @@ def exact_level(source: QualityLevel, max_draft: int, draft_stop: float) -> Qual
 
 
 def plain_exact(level: QualityLevel) -> QualityLevel:
-    """The exact level with every layer off: plain decoding."""
+    """The exact level with every layer off: no exit drafts (the engine still drafts by prompt lookup, where its
+    controller finds it pays)."""
     return dataclasses.replace(level, exits=dict.fromkeys(level.exits, OFF), offline=[], exit_rate=0.0,
                                head_free_rate=0.0, layer_speedup=1.0)
 
@@ -188,7 +189,7 @@ def choose_exact(engine: Engine, sources: Sequence[QualityLevel], calibration: S
                  heldout: Sequence[list[int]], tokens: int, advance: Callable[[], None] = lambda: None,
                  ) -> tuple[QualityLevel, ExactReport]:
     """The exact level: the fastest candidate on the calibration prompts, measured again on the held-out ones,
-    and left plain (every layer off) unless it pays there."""
+    and every layer turned off unless it pays there (prompt lookup then drafts alone)."""
     candidates = exact_candidates(sources)
     trials = []
     for source, max_draft, stop in candidates:
@@ -213,7 +214,7 @@ def _exits_of(source: QualityLevel) -> float | None:
 
 def with_exact(pack: Pack, level: QualityLevel) -> Pack:
     """`pack` with `level` as its exact level (replacing any) and its default: exact mode keeps the answers, and
-    where drafting does not pay the level decodes plainly."""
+    where drafting by exits does not pay the level turns every layer off and drafts by prompt lookup alone."""
     lossy = [lv for lv in pack.levels if not lv.exact]
     return dataclasses.replace(pack, levels=[*lossy, level], default_quality=EXACT_QUALITY)
 

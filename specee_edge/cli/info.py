@@ -9,6 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from specee_edge.engine.controller import ROUND_MAX_DRAFTS
 from specee_edge.errors import RuntimeMissingError
 from specee_edge.gguf_index import GGUFIndex
 from specee_edge.exits import ExitKind
@@ -195,17 +196,21 @@ def _levels_table(pack: Pack) -> Table:
 
 def _exits_cell(level: QualityLevel) -> str:
     """What the engine does at this level: a lossy level's exits, or exact mode's drafts. Exact mode drafts by prompt
-    lookup, and by exits where the level turns layers on, in the rounds its controller prices below a plain step on
-    the running machine, whatever calibration measured (greedy or sampled alike)."""
+    lookup (up to ROUND_MAX_DRAFTS a round), and by exits where the level turns layers on (up to the level's
+    max_draft), in the rounds its controller prices below a plain step on the running machine, whatever calibration
+    measured (greedy or sampled alike); only `--speculation always` holds lookup to max_draft too."""
     if level.off and not level.exact:
         return "none: decodes plainly"
-    parts = [f"drafts up to {level.max_draft:g} a round where the controller finds it pays (stop below confidence "
-             f"{level.draft_stop:g}; accepted {level.acceptance:.2f}, {level.tokens_per_round:.2f} tokens a batch) "
-             "with"] if level.exact else []
+    parts = []
+    if level.exact:
+        exit_drafts = "" if level.off else f", exits up to {level.max_draft:g} (stop below confidence {level.draft_stop:g})"
+        parts.append(f"drafts where the controller finds it pays: prompt lookup up to {ROUND_MAX_DRAFTS} a round"
+                     f"{exit_drafts} (calibrated: up to {level.max_draft:g}, accepted {level.acceptance:.2f},"
+                     f" {level.tokens_per_round:.2f} tokens a batch)")
     if level.off:
         parts.append("prompt lookup alone, every exit off")
     for kind in (ExitKind.VERIFIED, ExitKind.HEAD_FREE):
         layers = [il for il in level.on_layers if level.exits[il].kind == kind]
         if layers:
             parts.append(f"{kind.label} " + ", ".join(f"{il}@{level.exits[il].threshold:.2f}" for il in layers))
-    return "; ".join(parts).replace("with; ", "with ")
+    return "; ".join(parts)

@@ -29,7 +29,8 @@ from threadpoolctl import threadpool_limits
 from specee_edge.chat_templates import NAMED_TEMPLATES, named_template
 from specee_edge.default_model import default_model_path
 from specee_edge.draft.lookup import DRAFT_MATCH_N, LOOKUP_MAX_N, PromptLookup, lookup_drafts
-from specee_edge.engine.controller import STREAK_PLAN, Choice, Controller, ExitPrior, Outcome, Plan, PlainStreak
+from specee_edge.engine.controller import (ROUND_MAX_DRAFTS, STREAK_PLAN, Choice, Controller, ExitPrior, Outcome, Plan,
+                                           PlainStreak)
 from specee_edge.engine.exit import ExitPolicy, find_pack
 from specee_edge.engine.guard import NO_GUARD, ExitGuard, candidate_margin, continues_word
 from specee_edge.engine.records import GenerationStats, Round, TokenRecord, TokenSource
@@ -50,7 +51,6 @@ DEFAULT_KV_MODE = "fill"
 FALLBACK_KV_MODE = "mask"
 
 AUTO = "auto"  # pack=AUTO: MODEL.specee.gguf beside the model, else a shipped pack in models/
-ROUND_MAX_DRAFTS = 8  # exact mode: the most drafts one round checks by default (the controller picks how many)
 SPECULATION = ("auto", "always")
 
 
