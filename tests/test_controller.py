@@ -602,7 +602,7 @@ def controller_state(controller: Controller) -> tuple:
     counts = lambda table: {key: (c.accepted, c.rejected) for key, c in table.items()}
     return (costs(controller.plain), costs(controller.regraph), controller._rounds, controller._explore_budget,
             controller._waited, controller._wait, counts(controller._request), counts(controller._lifetime),
-            controller._shadow, controller._shadow_matched, controller._shadow_bucket, controller._after_batch)
+            controller._shadow, controller._shadow_matched, controller._shadow_bucket, controller._graph_changed)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -680,3 +680,51 @@ def test_no_plain_streak_where_a_price_reads_the_plain_step_or_an_exploration_is
     streak = cheap.plain_streak(8, 0, greedy=True)
     assert streak.keeps(8, 0.0) and not streak.keeps(1, 0.2) and not streak.keeps(8, 0.5)
     assert Controller(always_draft=True).plain_streak(8, 0, greedy=True) is None
+
+
+def exit_round(drafts: int, step_ms: tuple[float, ...], ended_full: bool, batch_ms: float = 6.0) -> Outcome:
+    """An exit round that drafted `drafts` with these drafting steps (the last ran every layer where `ended_full`)."""
+    return Outcome(Plan(Choice.EXIT, drafts, 0.0), emitted=1, ms=sum(step_ms) + batch_ms, drafts=drafts,
+                   batch_ms=batch_ms, draft_step_ms=step_ms, drafting_ended_full=ended_full)
+
+
+def test_a_drafting_step_that_ran_every_layer_is_charged_as_a_full_step():
+    """Drafting steps that exited price the next rounds' steps; the one that ran every layer (it ends the drafting) is
+    a full step, and how often later steps exit weighs the ways a round may end. Steps of 2, 2, 2 ms and a full
+    one of 10 were priced at 4 x 2 ms, as though the round had cost 8 ms where it cost 16."""
+    controller = Controller(ExitPrior(acceptance=0.5, exit_share=0.9))
+    controller.observe(Outcome(Plan(Choice.PLAIN, 0, 0.0), emitted=1, ms=10.0))
+    for _ in range(5):
+        controller.observe(exit_round(4, (2.0, 2.0, 2.0, 10.0), ended_full=True))
+    assert controller.draft_step.value == 2.0 and controller.full_step.value == 10.0
+    later = controller.later_exits.value
+    assert 0.5 < later < 0.8  # 2 of every 3 later steps exited
+    # by hand: a round of up to 4 drafts ends at its k-th step where that one ran every layer, or drafts all 4
+    a, batch = 0.5, controller._batches(Choice.EXIT).curve(5, 10.0)
+    tokens = lambda k: sum(a ** i for i in range(k + 1))
+    ways = [((1 - later) * later ** (k - 2), k, (k - 1) * 2.0 + 10.0 + batch[k + 1]) for k in (2, 3, 4)]
+    ways.append((later ** 3, 4, 4 * 2.0 + batch[5]))
+    regraph = max(controller.regraph.value or 0.0, 0.0)
+    cost = sum(p * (ms + regraph) for p, _, ms in ways)
+    expected = sum(p * tokens(k) for p, k, _ in ways)
+    q = controller.first_exits.value
+    price = (q * cost + (1 - q) * (10.0 + regraph)) / (q * expected + 1 - q)
+    assert controller._prices(Choice.EXIT, 4, a)[4] == pytest.approx(price)
+    assert price > (4 * 2.0 + batch[5]) / tokens(4)  # the old price, every step at an exit's cost
+    # rounds whose drafting steps all exit raise the share back
+    for _ in range(20):
+        controller.observe(exit_round(3, (2.0, 2.0, 2.0), ended_full=False))
+    assert controller.later_exits.value > 0.9 and controller.draft_step.value == 2.0
+
+
+def test_the_graph_a_plain_step_builds_again_after_probing_steps_is_charged_to_exit_rounds():
+    """An exit round whose first step ran every layer drafted nothing, but its step ran the probing graph: the plain
+    step after it builds its graph again, which is the exit round's cost, not a plain step's."""
+    controller = Controller(ExitPrior(acceptance=0.5, exit_share=0.5))
+    controller.observe(Outcome(Plan(Choice.PLAIN, 0, 0.0), emitted=1, ms=10.0))
+    for _ in range(3):
+        controller.observe(Outcome(Plan(Choice.EXIT, 2, 0.0), emitted=1, ms=11.0, full_step_ms=11.0))
+        controller.observe(Outcome(Plan(Choice.PLAIN, 0, 10.0), emitted=1, ms=13.0))  # 3 ms to build its graph
+        controller.observe(Outcome(Plan(Choice.PLAIN, 0, 10.0), emitted=1, ms=10.0))
+    assert controller.plain.value == 10.0 and controller.regraph.value == pytest.approx(3.0)
+    assert controller._round_costs(Choice.EXIT, 1, [0.0, 10.0, 14.0])[1].not_drafting == pytest.approx(11.0 + 3.0)

@@ -156,8 +156,9 @@ class Outcome:
     accepted: int = 0            # ... that the full model accepted
     batch_ms: float = 0.0        # the verification batch and its rows' sampling
     # exit rounds that drafted: each drafting step, the last one too where it ran every layer (its draft is the full
-    # model's token, yet the batch recomputes its cell: a drafting step like the others)
+    # model's token, yet the batch recomputes its cell)
     draft_step_ms: tuple[float, ...] = ()
+    drafting_ended_full: bool = False      # ... the last drafting step ran every layer (it ended the drafting)
     full_step_ms: float | None = None      # exit rounds: the step that ran every layer when the first did not exit
     greedy: bool = True
 
@@ -301,6 +302,18 @@ class ExitPrior:
 
 
 @dataclass(frozen=True, slots=True)
+class RoundCosts:
+    """A drafting round of some draft length, before it runs: the ways it may go when it drafts, each as (chance,
+    drafts checked, ms), and what it costs when it does not (an exit round whose first step ran every layer)."""
+
+    drafting: list[tuple[float, int, float]]
+    not_drafting: float
+
+    def worst_ms(self) -> float:
+        return max(self.not_drafting, *(ms for _, _, ms in self.drafting))
+
+
+@dataclass(frozen=True, slots=True)
 class KeptPrices:
     """A drafting choice's best round by its longest draft length, with what its prices were computed from."""
 
@@ -326,9 +339,10 @@ class Controller:
         self.regraph = RecentCost()
         # verification batches by kind: an exit round's batch also keeps every row's hidden state for the next draft
         self.batches = {Choice.LOOKUP: BatchCosts(), Choice.EXIT: BatchCosts()}
-        self.draft_step = RecentCost()   # a drafting step of an exit round that drafted
-        self.full_step = RecentCost()    # an exit round's first step that did not exit (probes, no draft)
+        self.draft_step = RecentCost()   # a drafting step of an exit round that exited
+        self.full_step = RecentCost()    # an exit round's step that ran every layer, probes and all
         self.first_exits = MovingShare()  # share of exit rounds whose first step exited
+        self.later_exits = MovingShare()  # share of a drafting round's later steps that exited (one that did not ends it)
         self._rounds = 0                 # rounds observed, the clock of measured_at
         # long-run acceptance per (kind, greedy, lookup's match bucket or 0): the prior of each request
         self._lifetime: dict[tuple[Choice, bool, int], AcceptanceCount] = {}
@@ -343,7 +357,7 @@ class Controller:
         self._shadow: list[int] = []     # lookup drafts offered before a plain step, being checked
         self._shadow_matched = 0         # ... how many of them the tokens decoded since have equalled
         self._shadow_bucket = 0          # ... the bucket of the match they were copied after
-        self._after_batch = False        # the last round ran a verification batch
+        self._graph_changed = False      # the last round ran a batch or probed: the next plain step builds its graph
         # each drafting choice's last computed prices by (choice, greedy, match), kept as the best round for each
         # longest draft length, with what they were computed from: a price does not depend on the longest length
         # offered, so one computation serves every length up to the longest priced
@@ -402,38 +416,54 @@ class Controller:
             return own
         return self.batches[Choice.EXIT if choice == Choice.LOOKUP else Choice.LOOKUP]
 
-    def _round_costs(self, choice: Choice, max_drafts: int, batch: list[float]) -> list[tuple[float, float]]:
-        """A drafting round of `choice` by its draft length m (1 .. max_drafts; index 0 unused): what it costs when it
-        drafts, and when it does not (an exit round's first step that ran every layer, probes and all, and gave one
-        token); `batch` is the batch curve. A round that drafts also pays the graph the next plain step builds again
-        (charged whole: the round after a drafting round is mostly a plain step)."""
+    def _round_costs(self, choice: Choice, max_drafts: int, batch: list[float]) -> list[RoundCosts]:
+        """A drafting round of `choice` by its draft length m (1 .. max_drafts; index 0 unused); `batch` is the batch
+        curve. A lookup round checks its m drafts in one batch. An exit round whose first step exited drafts on while
+        its steps exit, each later one with the chance later_exits: it checks m drafts, or k < m where its k-th step
+        ran every layer (that step's draft, the full model's token, is its last; the step costs a full one). Where its
+        first step ran every layer it gives that step's token and drafts nothing. A round that drafts, or steps with
+        probes, also pays the graph the next plain step builds again (charged whole: the round after a drafting round
+        is mostly a plain step)."""
         regraph = max(self.regraph.value or 0.0, 0.0)
-        step, full = self._exit_step_ms() if choice == Choice.EXIT else (0.0, None)  # a lookup round never steps
-        costs = [(float("inf"), float("inf"))]
+        costs: list[RoundCosts] = [RoundCosts([], float("inf"))]
+        if choice == Choice.LOOKUP:  # a lookup round never steps
+            for m in range(1, max_drafts + 1):
+                drafting = batch[m + 1] + regraph
+                costs.append(RoundCosts([(1.0, m, drafting)], drafting))
+            return costs
+        step, full = self._exit_step_ms()
+        later = self._later_exit_share()
         for m in range(1, max_drafts + 1):
-            drafting = m * step + batch[m + 1] + regraph
-            costs.append((drafting, drafting if full is None else full))
+            ways, reached = [], 1.0  # reached: the chance that the steps before the k-th all exited
+            for k in range(2, m + 1):
+                ways.append((reached * (1 - later), k, (k - 1) * step + full + batch[k + 1] + regraph))
+                reached *= later
+            ways.append((reached, m, m * step + batch[m + 1] + regraph))
+            costs.append(RoundCosts(ways, full + regraph))
         return costs
 
     def _prices(self, choice: Choice, max_drafts: int, a: float) -> list[float]:
         """The price of a round of `choice` (ms per emitted token) by its draft length 0 .. max_drafts (a drafting
         choice's length 0 is no round: infinite), its drafts accepted with chance `a` (_held_acceptance).
 
-        A lookup round of m drafts costs its batch of m + 1 rows. An exit-mode round's first step exits with
-        probability q and then drafts (m drafting steps and the batch); else it gives one token."""
+        A round of k drafts checked emits E(k) = 1 + a + ... + a^k tokens. An exit-mode round's first step exits with
+        probability q and then drafts (_round_costs: its drafts and costs by how its steps go); else it gives one
+        token."""
         if choice == Choice.PLAIN:
             return [self.plain.value]
         batch = self._batches(choice).curve(max_drafts + 1, self.plain.value)
         q = 1.0
         if choice == Choice.EXIT:
             q = self.first_exits.value if self.first_exits.value is not None else self.exit_prior.exit_share
-        costs = self._round_costs(choice, max_drafts, batch)
-        prices, tokens, term = [float("inf")], 1.0, 1.0
-        for m in range(1, max_drafts + 1):
+        expected, term = [1.0], 1.0  # expected[k] = E(k)
+        for _ in range(max_drafts):
             term *= a
-            tokens += term  # E(m)
-            drafting, not_drafting = costs[m]
-            prices.append((q * drafting + (1 - q) * not_drafting) / (q * tokens + (1 - q)))
+            expected.append(expected[-1] + term)
+        prices = [float("inf")]
+        for round_costs in self._round_costs(choice, max_drafts, batch)[1:]:
+            drafting = sum(chance * ms for chance, _, ms in round_costs.drafting)
+            tokens = sum(chance * expected[k] for chance, k, _ in round_costs.drafting)
+            prices.append((q * drafting + (1 - q) * round_costs.not_drafting) / (q * tokens + (1 - q)))
         return prices
 
     def _held_acceptance(self, choice: Choice, greedy: bool, match: int) -> float:
@@ -519,7 +549,7 @@ class Controller:
         """What an exit round's price reads besides batches and acceptance (nothing for other choices)."""
         if choice != Choice.EXIT:
             return ()
-        return *self._exit_step_ms(), self.first_exits.value, self.exit_prior.exit_share
+        return *self._exit_step_ms(), self.first_exits.value, self.later_exits.value, self.exit_prior.exit_share
 
     def _options(self, longest: dict[Choice, int], match: dict[Choice, int], greedy: bool,
                  reuse: bool) -> tuple[dict[Choice, tuple[int, float]], Choice]:
@@ -556,6 +586,11 @@ class Controller:
         full = self.full_step.value if self.full_step.value is not None else plain
         return step, full
 
+    def _later_exit_share(self) -> float:
+        """The chance that a drafting round's step after its first exits (the level's calibrated share until
+        measured)."""
+        return self.later_exits.value if self.later_exits.value is not None else self.exit_prior.exit_share
+
     def _explorable(self, choice: Choice, max_drafts: int, best_price: float, other_than: int | None = None) -> int | None:
         """The draft length of an exploration of `choice` (0 for a plain step), or None: the length, up to
         `max_drafts` and not `other_than`, whose worst case (every draft rejected, one token emitted) the exploration
@@ -566,7 +601,7 @@ class Controller:
         batches = self._batches(choice)
         costs = self._round_costs(choice, max_drafts, batches.curve(max_drafts + 1, self.plain.value))
         covered = [m for m in range(1, max_drafts + 1)
-                   if m != other_than and max(costs[m]) - best_price <= self._explore_budget]
+                   if m != other_than and costs[m].worst_ms() - best_price <= self._explore_budget]
         if other_than is not None:
             covered = [m for m in covered if batches.measured_at(m + 1) < batches.measured_at(other_than + 1)]
         if not covered:
@@ -653,7 +688,7 @@ class Controller:
         streak ends before any choice could be explored (_unexplored_rounds). So plan() would choose each of its rounds
         plain and explore nothing: the engine decodes them without asking, and tells them afterwards (end_streak)."""
         plain = self.plain.value
-        if self.always_draft or plain is None or self._after_batch or lookup_drafts < 1:
+        if self.always_draft or plain is None or self._graph_changed or lookup_drafts < 1:
             return None
         longest = {Choice.LOOKUP: lookup_drafts}
         if exit_drafts >= 1:
@@ -671,7 +706,7 @@ class Controller:
             return None
         batch = self._batches(Choice.LOOKUP).curve(lookup_drafts + 1, plain)
         costs = self._round_costs(Choice.LOOKUP, lookup_drafts, batch)
-        return PlainStreak(rounds, ceiling, (0.0, *(drafting / ceiling for drafting, _ in costs[1:])))
+        return PlainStreak(rounds, ceiling, (0.0, *(c.drafting[0][2] / ceiling for c in costs[1:])))  # a lookup round goes one way
 
     def _unexplored_rounds(self, choice: Choice, ceiling_ms: float) -> int:
         """How many rounds to come cannot explore `choice` while no step costs more than `ceiling_ms`: it is explored
@@ -706,23 +741,36 @@ class Controller:
             self.batches[plan.choice].add(outcome.drafts + 1, outcome.batch_ms, self._rounds)
             self._count(plan.choice, outcome.greedy, plan.match, outcome.accepted, outcome.drafts)
         if plan.choice == Choice.EXIT:
-            self.first_exits.add(outcome.full_step_ms is None)
-            for ms in outcome.draft_step_ms:
-                self.draft_step.add(ms)
-            if outcome.full_step_ms is not None:
-                self.full_step.add(outcome.full_step_ms)
-        self._after_batch = outcome.drafts > 0
+            self._observe_exit_steps(outcome)
+        # a drafting round ran a batch, an exit round steps with probes: either way the next plain step builds its
+        # graph again
+        self._graph_changed = outcome.drafts > 0 or plan.choice == Choice.EXIT
         return self._explored(plan, outcome.ms, outcome.emitted, outcome.greedy) if plan.explore else 0.0
+
+    def _observe_exit_steps(self, outcome: Outcome) -> None:
+        """An exit round's steps: whether its first exited, what a step that exited and one that ran every layer
+        cost, and whether each later drafting step exited (only the last may not have: it ends the drafting)."""
+        self.first_exits.add(outcome.full_step_ms is None)
+        if outcome.full_step_ms is not None:
+            self.full_step.add(outcome.full_step_ms)
+        steps = outcome.draft_step_ms
+        exited = steps[:-1] if outcome.drafting_ended_full else steps
+        for ms in exited:
+            self.draft_step.add(ms)
+        if outcome.drafting_ended_full:
+            self.full_step.add(steps[-1])
+        for later in range(1, len(steps)):
+            self.later_exits.add(later < len(exited))
 
     def observe_plain(self, plan: Plan, ms: float, greedy: bool = True) -> float:
         """observe() of a plain step that took `ms` (the engine's most frequent round, told without an Outcome)."""
         self._rounds += 1
         self._explore_budget += EXPLORE_SHARE * ms
-        if self._after_batch and self.plain.value is not None:
+        if self._graph_changed and self.plain.value is not None:
             self.regraph.add(ms - self.plain.value, self._rounds)
         else:
             self.plain.add(ms, self._rounds)
-        self._after_batch = False
+        self._graph_changed = False
         return self._explored(plan, ms, 1, greedy) if plan.explore else 0.0
 
     def _explored(self, plan: Plan, ms: float, emitted: int, greedy: bool) -> float:
@@ -773,6 +821,7 @@ class Controller:
             "regraph_ms": rounded(self.regraph),
             "draft_step_ms": rounded(self.draft_step),
             "first_step_exits": rounded(self.first_exits),
+            "later_step_exits": rounded(self.later_exits),
             # the chance that a draft is accepted once those before it were: accepted / (accepted + rejections),
             # what prices a round (not acceptance_rate, accepted / drafted, which counts drafts after a rejection)
             "accept_chance": {accept_key(*key): round(count.rate(), 3) for key, count in sorted(self._lifetime.items())},

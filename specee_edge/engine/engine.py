@@ -536,11 +536,12 @@ class Engine:
         told to the controller."""
         t0 = time.perf_counter()
         draft_step_ms: list[float] = []
+        ended_full = False
         full_step_ms = None
         if plan.choice == Choice.LOOKUP:
             round_, records = self._verify(plan.choice, p, token, lookup[: plan.drafts], [], draw)
         else:
-            round_, records, draft_step_ms = self._exit_round(p, token, plan.drafts, draw)
+            round_, records, draft_step_ms, ended_full = self._exit_round(p, token, plan.drafts, draw)
             if not round_.drafts:  # the first step did not exit: one full-model token, no batch
                 full_step_ms = records[0].forward_ms + records[0].sample_ms
         # a batch's price includes drawing its rows, as a plain step's includes drawing its one
@@ -549,6 +550,7 @@ class Engine:
         round_.explore_ms = self.controller.observe(Outcome(
             plan, emitted=round_.emitted, ms=(time.perf_counter() - t0) * 1e3, drafts=round_.drafts,
             accepted=round_.accepted, batch_ms=batch_price_ms, draft_step_ms=tuple(draft_step_ms),
+            drafting_ended_full=ended_full,
             full_step_ms=full_step_ms, greedy=draw.params.greedy))
         for record in records:
             record.round = round_
@@ -570,12 +572,13 @@ class Engine:
         return self.policy.max_draft if self.early_exit and not self.policy.idle else 0
 
     def _exit_round(self, p: int, token: int, limit: int,
-                    draw: Sampler) -> tuple[Round, list[TokenRecord], list[float]]:
+                    draw: Sampler) -> tuple[Round, list[TokenRecord], list[float], bool]:
         """Drafts from early exits: `token`, then each draft, is decoded alone with exits on; each step's argmax is
         the next draft (after a head-free exit, the candidates'). Drafting stops at a step that runs every layer,
         at `limit` drafts, at an end of generation, or once the drafts' confidence falls below the level's floor.
         If the first step runs every layer, its logits are the full model's own and the cache below it is exact:
-        its token is drawn and nothing is verified. Returns the round, its records and the drafting steps' times."""
+        its token is drawn and nothing is verified. Returns the round, its records, the drafting steps' times (none
+        then), and whether the last of them ran every layer."""
         drafts: list[int] = []
         steps: list[TokenRecord] = []
         feed = token
@@ -585,7 +588,7 @@ class Engine:
             step = self.step(feed)
             steps.append(step)
             if step.exit_layer is None and not drafts:
-                return Round(Choice.EXIT, emitted=1), [self._sample(step, draw)], []
+                return Round(Choice.EXIT, emitted=1), [self._sample(step, draw)], [], False
             logits = self.ctx.logits()
             drafts.append(int(np.argmax(logits)))
             if draft_stop:  # the confidence costs a softmax over the candidates: only when a floor asks for it
@@ -596,7 +599,8 @@ class Engine:
             feed = drafts[-1]
         # every drafting step is charged, the last too where it ran every layer: the batch recomputes its cell
         draft_step_ms = [s.forward_ms for s in steps]
-        return *self._verify(Choice.EXIT, p, token, drafts, steps, draw), draft_step_ms
+        ended_full = steps[-1].exit_layer is None
+        return *self._verify(Choice.EXIT, p, token, drafts, steps, draw), draft_step_ms, ended_full
 
     def _verify(self, choice: Choice, p: int, token: int, drafts: list[int], steps: list[TokenRecord],
                 draw: Sampler) -> tuple[Round, list[TokenRecord]]:
