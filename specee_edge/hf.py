@@ -120,6 +120,12 @@ def cache_dir() -> Path:
     return hub_cache_dir()
 
 
+def cache_dirs() -> list[Path]:
+    """Every Hugging Face cache a model may lie in, -hf's first: with LLAMA_CACHE or HF_HUB_CACHE set, what
+    other tools put in huggingface_hub's cache or in the one under HF_HOME is there still."""
+    return list(dict.fromkeys([cache_dir(), hub_cache_dir(), hub_home_cache()]))
+
+
 def endpoint() -> str | None:
     return os.environ.get("HF_ENDPOINT") or None
 
