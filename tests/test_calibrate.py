@@ -10,12 +10,13 @@ import pytest
 from typer.testing import CliRunner
 
 from specee_edge.calibrate import CalibrateConfig, calibrate
+from specee_edge.calibrate.collect import Collector
 from specee_edge.calibrate.dataset import Dataset
 from specee_edge.calibrate.draft_fit import draft_vocabulary
 from specee_edge.calibrate.exact import speedup_of
 from specee_edge.calibrate.pipeline import interleaved, split_answered
 from specee_edge.calibrate.temperature import fit_temperatures
-from specee_edge.data.prompts import CALIBRATION_SPLIT, SPEC_BENCH, bench_prompts, load_prompts, split
+from specee_edge.data.prompts import CALIBRATION_SPLIT, SPEC_BENCH, Prompt, bench_prompts, load_prompts, split
 from specee_edge.cli import app
 from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.errors import SpecEEError
@@ -293,3 +294,13 @@ def test_the_split_is_over_the_prompts_answered():
     parts = split_answered(np.repeat(some, 2), 0)
     assert sorted(np.concatenate(parts).tolist()) == sorted(some.tolist())
     assert [len(part) for part in parts] == [12, 4, 4]
+
+
+def test_collection_decodes_after_the_engines_prompt_tokens(tiny_dir, monkeypatch):
+    # the engine's one rendering of a prompt into tokens, as bench and eval decode after, is calibration's too
+    collector = Collector(tiny_model_path(tiny_dir, "llama"), n_threads=1, max_answer=2)
+    rendered = [*collector.engine.prompt_tokens("Hi"), 7, 8]
+    monkeypatch.setattr(collector.engine, "prompt_tokens", lambda text: list(rendered))
+    shard = collector.answer(0, Prompt("chat", "Hi"), GREEDY)
+    collector.close()
+    assert shard.tokens[:len(rendered)].tolist() == rendered and shard.start == len(rendered) - 1

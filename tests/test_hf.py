@@ -16,13 +16,28 @@ from pathlib import Path
 
 import pytest
 
-from specee_edge.hf import HubError, hf_model, pick_file, split_parts
+from specee_edge.hf import HubError, cache_dir, hf_model, hub_cache_dir, pick_file, split_parts
 from tests.tiny_gguf import TinyConfig, write_tiny_model
 
 CLI = Path(sys.executable).parent / "specee-edge"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO = "tester/tiny-GGUF"
 SPLIT_REPO = "tester/split-GGUF"
+# huggingface_hub's cache folder (constants.HF_HUB_CACHE) under each environment of argv[1], as a fresh
+# import of it computes it
+HUGGINGFACE_HUBS_CACHE = """
+import importlib, json, os, sys
+from huggingface_hub import constants
+folders = []
+for environment in json.loads(sys.argv[1]):
+    for name, value in environment.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    folders.append(importlib.reload(constants).HF_HUB_CACHE)
+print(json.dumps(folders))
+"""
 
 
 class Hub:
@@ -220,6 +235,28 @@ def test_the_cache_is_llama_cpps_hugging_face_cache(hub, tmp_path, tiny_bytes, m
     hub.gets.clear()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert hf_model(REPO) == path and hub.gets == []
+
+
+def test_after_llama_cache_the_cache_is_huggingface_hubs_own(tmp_path, monkeypatch):
+    values = {"HF_HUB_CACHE": "~/hub-cache", "HUGGINGFACE_HUB_CACHE": str(tmp_path / "legacy"),
+              "HF_HOME": "$HOME/hf-home", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    # every combination of those set and unset
+    environments = [{name: value if mask >> bit & 1 else None for bit, (name, value) in enumerate(values.items())}
+                    for mask in range(2 ** len(values))]
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for name in ("LLAMA_CACHE", "HUGGINGFACE_CO_STAGING"):  # the latter: huggingface_hub's own tests' cache
+        monkeypatch.delenv(name, raising=False)
+    theirs = subprocess.run([sys.executable, "-c", HUGGINGFACE_HUBS_CACHE, json.dumps(environments)],
+                            capture_output=True, text=True, check=True, timeout=120).stdout
+    for environment, folder in zip(environments, json.loads(theirs), strict=True):
+        for name, value in environment.items():
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        assert hub_cache_dir() == cache_dir() == Path(folder), environment
+    monkeypatch.setenv("LLAMA_CACHE", "~/llama-cache")
+    assert cache_dir() == tmp_path / "home" / "llama-cache"
 
 
 def test_no_network_and_nothing_cached_is_one_line(hub, monkeypatch):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from specee_edge.errors import SpecEEError
-from specee_edge.runtime import Context, Model
+from specee_edge.runtime import Context, Model, quantize
 from specee_edge.runtime.quantize import requantize, weight_types
 from tests.conftest import load_tool
 from tests.tiny_gguf import TinyConfig, write_tiny_model
@@ -43,6 +43,21 @@ def test_requantize_errors_are_one_line(f32_model, tmp_path):
     with pytest.raises(SpecEEError, match="could not quantize broken.gguf to Q8_0"):
         requantize(broken, tmp_path / "x.gguf", "Q8_0")
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.part").exists()
+
+
+def test_requantize_runs_the_default_threads(f32_model, tmp_path, monkeypatch):
+    threads_asked = []
+
+    def quantize_model(source, out, params):
+        threads_asked.append(params.nthread)
+        return 1  # stop there: the threads are what this test looks at
+
+    monkeypatch.setattr(quantize, "default_threads", lambda: 3)
+    monkeypatch.setattr(quantize._llama, "llama_model_quantize", quantize_model)
+    for threads in (0, 5):
+        with pytest.raises(SpecEEError, match="could not quantize"):
+            requantize(f32_model, tmp_path / "x.gguf", "Q8_0", threads=threads)
+    assert threads_asked == [3, 5]
 
 
 def test_batch_costs_by_type_runs_on_a_tiny_model(f32_model, tmp_path, monkeypatch, capsys):

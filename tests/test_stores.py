@@ -18,13 +18,14 @@ from specee_edge.default_model import default_model_path
 from specee_edge.errors import ModelLoadError
 from specee_edge.pack.locate import cached_pack_path, find_pack, pack_beside
 from specee_edge import stores as stores_module
-from specee_edge.stores import llama_cpp_dir, pack_output, resolve_stored, stored_models
+from specee_edge.stores import in_store, llama_cpp_dir, pack_output, resolve_stored, stored_models
 from tests.conftest import SHIPPED_PACK
 from tests.tiny_gguf import TinyConfig, write_tiny_model
 
 CLI = Path(sys.executable).parent / "specee-edge"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-STORE_ENV = ("OLLAMA_MODELS", "LLAMA_CACHE", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE", "LOCALAPPDATA")
+STORE_ENV = ("OLLAMA_MODELS", "LLAMA_CACHE", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE",
+             "LOCALAPPDATA")
 
 
 def ollama_put(root: Path, name: str, tag: str, model: Path, *, link: bool = False) -> Path:
@@ -192,3 +193,26 @@ def test_llama_cache_holding_llama_cpps_hugging_face_cache_lists_each_model_once
     names = [m.name for m in stored_models() if m.path.is_relative_to(moved)]
     assert sorted(names) == ["hf:tester/moved-GGUF/moved-Q4_K_M.gguf", "llama.cpp:old_flat-Q4_0.gguf"]
     assert resolve_stored("hf:tester/moved-GGUF/moved-Q4_K_M.gguf") == link
+
+
+def test_huggingface_hubs_own_caches_still_count_where_the_cache_moved(stores, tmp_path, monkeypatch):
+    # LLAMA_CACHE moves -hf's cache, HF_HUB_CACHE huggingface_hub's: what other tools left in the one under
+    # HF_HOME (here ~/.cache/huggingface/hub) is listed, loads and is not written into all the same
+    llama = stores["ollama:qwen2.5:0.5b"]
+    moved = hf_put(tmp_path / "llama-cache", "tester/moved-GGUF", "moved-Q4_K_M.gguf", llama)
+    hub = hf_put(tmp_path / "hub-cache", "tester/hub-GGUF", "hub-Q4_K_M.gguf", llama)
+    monkeypatch.setenv("LLAMA_CACHE", str(tmp_path / "llama-cache"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    expected = {"hf:tester/moved-GGUF/moved-Q4_K_M.gguf": moved, "hf:tester/hub-GGUF/hub-Q4_K_M.gguf": hub,
+                "hf:tester/tiny-GGUF/tiny-Q4_K_M.gguf": stores["hf:tester/tiny-GGUF/tiny-Q4_K_M.gguf"]}
+    assert {m.name: m.path for m in stored_models() if m.store == "huggingface"} == expected
+    for name, path in expected.items():
+        assert resolve_stored(name) == path and in_store(path)
+
+    twin = hf_put(tmp_path / "llama-cache", "tester/tiny-GGUF", "tiny-Q4_K_M.gguf", llama)
+    twins = [m.path for m in stored_models() if m.name == "hf:tester/tiny-GGUF/tiny-Q4_K_M.gguf"]
+    assert twins == [twin] and resolve_stored("hf:tester/tiny-GGUF/tiny-Q4_K_M.gguf") == twin  # -hf's copy
+
+    home_hub = hf_put(tmp_path / "hf-home" / "hub", "tester/home-GGUF", "home-Q4_K_M.gguf", llama)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    assert resolve_stored("hf:tester/home-GGUF/home-Q4_K_M.gguf") == home_hub and in_store(home_hub)

@@ -81,8 +81,7 @@ class Collector:
     def answer(self, index: int, prompt: Prompt, sampling: SamplingParams) -> Shard:
         engine, ctx = self.engine, self.ctx
         ctx.clear()
-        text = engine.format_prompt(prompt.text)
-        tokens = engine.tokenize(text)
+        tokens = engine.prompt_tokens(prompt.text)
         start = len(tokens) - 1
         draw = Sampler(sampling, engine.model.info.n_vocab, tokens)
         ctx.decode(tokens, output_all=True)  # else the last layer keeps only the last row

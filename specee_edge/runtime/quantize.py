@@ -18,6 +18,7 @@ from llama_cpp import llama_cpp as _llama
 from specee_edge.errors import SpecEEError
 from specee_edge.gguf_index import GGUFIndex
 from specee_edge.runtime.logging import quiet_llama_logs
+from specee_edge.threads import default_threads
 
 # the llama_ftype of each weight type, by llama.cpp's name for the type (a K-quant's "_M" mix is what
 # llama-quantize makes of it by default; with pure=True only the type itself matters)
@@ -57,7 +58,7 @@ def requantize(source: Path, out: Path, type_name: str, *, pure: bool = True, th
     params.ftype = FTYPES[key]
     params.allow_requantize = True
     params.pure = pure
-    params.nthread = threads or min(os.cpu_count() or 1, 8)
+    params.nthread = threads or default_threads()
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".part")  # a failed or interrupted run leaves no file that looks whole
     try:
