@@ -107,14 +107,25 @@ def endpoint() -> str | None:
     return os.environ.get("HF_ENDPOINT") or None
 
 
+def repo_folder(repo: str) -> Path:
+    """Where the cache keeps ``repo`` (USER/REPO)."""
+    return cache_dir() / f"models--{repo.replace('/', '--')}"
+
+
+def main_snapshot(repo: str) -> Path | None:
+    """The cache's snapshot of main (what -hf loads), or None where the cache has no main of ``repo``."""
+    try:
+        commit = (repo_folder(repo) / "refs" / "main").read_text().strip()
+    except OSError:
+        return None
+    return repo_folder(repo) / "snapshots" / commit
+
+
 def cached_files(repo: str) -> list[str]:
     """The files of ``repo`` in the cache's snapshot of main (what offline mode can load)."""
-    folder = cache_dir() / f"models--{repo.replace('/', '--')}"
-    try:
-        commit = (folder / "refs" / "main").read_text().strip()
-    except OSError:
+    snapshot = main_snapshot(repo)
+    if snapshot is None:
         return []
-    snapshot = folder / "snapshots" / commit
     return sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
 
 

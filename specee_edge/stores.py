@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specee_edge.errors import ModelLoadError
-from specee_edge.hf import SPLIT, cache_dir, is_first_part, is_model_gguf
+from specee_edge.hf import SPLIT, cache_dir, is_first_part, is_model_gguf, main_snapshot, repo_folder
 from specee_edge.pack.locate import cached_pack_path, pack_beside
 from specee_edge.pull import models_dir, pulled_path
 from specee_edge.registry import load_registry
@@ -108,12 +108,20 @@ def _registry_models() -> Iterator[StoredModel]:
             yield StoredModel(str(path), "specee-edge", path)
 
 
+def _hf_snapshots(repo: str) -> list[Path]:
+    """The cache's snapshots of ``repo`` in the order a name looks in them: main's (what -hf loads), then the
+    newest first."""
+    main = main_snapshot(repo)
+    snapshots = sorted((repo_folder(repo) / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return sorted(snapshots, key=lambda p: p != main)
+
+
 def _hf_models() -> Iterator[StoredModel]:
     root = cache_dir()
     for repo_dir in sorted(root.glob("models--*--*")) if root.is_dir() else ():
         repo = repo_dir.name.removeprefix("models--").replace("--", "/", 1)
         seen: set[str] = set()
-        for snapshot in sorted((repo_dir / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime, reverse=True):
+        for snapshot in _hf_snapshots(repo):
             for path in _ggufs(snapshot):
                 file = path.relative_to(snapshot).as_posix()
                 if file not in seen and path.exists():  # a symlink into blobs/; a dangling one is a cut download
@@ -201,9 +209,8 @@ def resolve_stored(name: str) -> Path:
     elif store == "hf":
         owner, _, rest = rest.partition("/")
         repo, _, file = rest.partition("/")
-        snapshots = cache_dir() / f"models--{owner}--{repo}" / "snapshots"
-        found = sorted(snapshots.glob(f"*/{file}"), key=lambda p: p.stat().st_mtime, reverse=True) if file else []
-        path = next((p for p in found if p.is_file()), snapshots / file)
+        found = [snapshot / file for snapshot in _hf_snapshots(f"{owner}/{repo}")] if file else []
+        path = next((p for p in found if p.is_file()), repo_folder(f"{owner}/{repo}") / "snapshots" / file)
     elif store == "llama.cpp":
         path = llama_cpp_dir() / rest
     else:

@@ -165,6 +165,19 @@ def test_a_pack_for_a_model_in_a_store_is_kept_and_found_by_its_fingerprint(stor
     assert json.loads(generate.stdout)["pack"] == str(output)
 
 
+def test_a_hugging_face_name_loads_mains_file_as_hf_does_where_another_snapshot_is_newer(stores):
+    name = "hf:tester/tiny-GGUF/tiny-Q4_K_M.gguf"
+    main = stores[name]
+    other = main.parents[1] / ("f" * 40) / main.name  # a revision fetched later, by another tool
+    other.parent.mkdir()
+    shutil.copyfile(stores["ollama:someone/gpt:latest"], other)
+    os.utime(other.parent, (main.parent.stat().st_mtime + 60,) * 2)
+    assert resolve_stored(name) == main
+    assert {m.name: m.path for m in stored_models()}[name] == main
+    (main.parents[2] / "refs" / "main").unlink()  # no main in the cache: the newest snapshot
+    assert resolve_stored(name) == other
+
+
 def test_llama_cpps_cache_folder_is_where_llama_cpp_puts_it_on_each_os(stores, tmp_path, monkeypatch):
     home = Path(os.environ["HOME"])
     assert llama_cpp_dir("Linux") == home / ".cache" / "llama.cpp"
