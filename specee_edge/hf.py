@@ -51,6 +51,14 @@ class HfSpec:
         return cls(repo, tag or None)
 
 
+@dataclass(frozen=True)
+class HfModel:
+    """A model -hf named, in the cache."""
+
+    name: str  # hf:USER/REPO/FILE: the name that loads it in every command, as `specee-edge models` shows it
+    path: Path  # its file (a split model's first part)
+
+
 def is_model_gguf(path: str) -> bool:
     name = path.rsplit("/", 1)[-1].lower()
     return name.endswith(".gguf") and not any(word in name for word in NOT_MODELS)
@@ -196,8 +204,8 @@ def download(repo: str, file: str, online: bool) -> Path:
         raise HubError(f"downloading {file} from {repo} failed ({first_line(e)}): run the command again to resume") from None
 
 
-def hf_model(spec_text: str, hf_file: str | None = None) -> Path:
-    """The local path of the model `-hf spec_text [--hf-file hf_file]` names, downloading what is missing."""
+def hf_model(spec_text: str, hf_file: str | None = None) -> HfModel:
+    """The model `-hf spec_text [--hf-file hf_file]` names, downloading what is missing."""
     spec = HfSpec.parse(spec_text)
     files, online = repo_files(spec.repo)
     ggufs = [f for f in files if f.lower().endswith(".gguf")]
@@ -211,4 +219,4 @@ def hf_model(spec_text: str, hf_file: str | None = None) -> Path:
             wanted = f"tagged {spec.tag}" if spec.tag else "files"
             raise HubError(f"{spec.repo} has no GGUF {wanted}: it has {', '.join(ggufs) or 'none'}")
     paths = [download(spec.repo, part, online) for part in split_parts(files, primary)]
-    return paths[0]
+    return HfModel(f"hf:{spec.repo}/{primary}", paths[0])

@@ -189,8 +189,8 @@ def sampling_params(temp: float, top_k: int, top_p: float, min_p: float, repeat_
 
 def pick_model(model: str | None, model_opt: str | None, hf_repo: str | None = None,
                hf_file: str | None = None) -> str | None:
-    """The model the command line names: the argument, -m, or -hf (downloaded here) - at most one of them. The
-    argument and -m stay as given: `specee_edge.pull.resolve_model` finds their file and their name."""
+    """The model the command line names: the argument, -m, or -hf (downloaded here, then named as `specee-edge
+    models` shows it: hf:USER/REPO/FILE) - at most one of them. `specee_edge.pull.resolve_model` finds its file."""
     if model is not None and model_opt is not None and model != model_opt:
         raise SpecEEError(f"two models given: {model} and -m {model_opt}")
     named = model_opt or model
@@ -202,7 +202,7 @@ def pick_model(model: str | None, model_opt: str | None, hf_repo: str | None = N
         raise SpecEEError(f"two models given: {named} and -hf {hf_repo}")
     from specee_edge.hf import hf_model
 
-    return str(hf_model(hf_repo, hf_file))
+    return hf_model(hf_repo, hf_file).name
 
 
 @app.command()
