@@ -50,6 +50,14 @@ class HfSpec:
         return cls(repo, tag or None)
 
 
+@dataclass(frozen=True)
+class HfModel:
+    """A model -hf named, in the cache."""
+
+    name: str  # hf:USER/REPO/FILE: the name that loads it in every command, as `specee-edge models` shows it
+    path: Path  # its file (a split model's first part)
+
+
 def is_model_gguf(path: str) -> bool:
     name = path.rsplit("/", 1)[-1].lower()
     return name.endswith(".gguf") and not any(word in name for word in NOT_MODELS)
@@ -130,14 +138,25 @@ def endpoint() -> str | None:
     return os.environ.get("HF_ENDPOINT") or None
 
 
-def cached_files(repo: str) -> list[str]:
-    """The files of ``repo`` in the cache's snapshot of main (what offline mode can load)."""
-    folder = cache_dir() / f"models--{repo.replace('/', '--')}"
+def repo_folder(repo: str) -> Path:
+    """Where the cache keeps ``repo`` (USER/REPO)."""
+    return cache_dir() / f"models--{repo.replace('/', '--')}"
+
+
+def main_snapshot(folder: Path) -> Path | None:
+    """The snapshot of main (what -hf loads) in a repository's folder of a cache, or None where it has no main."""
     try:
         commit = (folder / "refs" / "main").read_text().strip()
     except OSError:
+        return None
+    return folder / "snapshots" / commit
+
+
+def cached_files(repo: str) -> list[str]:
+    """The files of ``repo`` in the cache's snapshot of main (what offline mode can load)."""
+    snapshot = main_snapshot(repo_folder(repo))
+    if snapshot is None:
         return []
-    snapshot = folder / "snapshots" / commit
     return sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
 
 
@@ -208,8 +227,8 @@ def download(repo: str, file: str, online: bool) -> Path:
         raise HubError(f"downloading {file} from {repo} failed ({first_line(e)}): run the command again to resume") from None
 
 
-def hf_model(spec_text: str, hf_file: str | None = None) -> Path:
-    """The local path of the model `-hf spec_text [--hf-file hf_file]` names, downloading what is missing."""
+def hf_model(spec_text: str, hf_file: str | None = None) -> HfModel:
+    """The model `-hf spec_text [--hf-file hf_file]` names, downloading what is missing."""
     spec = HfSpec.parse(spec_text)
     files, online = repo_files(spec.repo)
     ggufs = [f for f in files if f.lower().endswith(".gguf")]
@@ -223,4 +242,4 @@ def hf_model(spec_text: str, hf_file: str | None = None) -> Path:
             wanted = f"tagged {spec.tag}" if spec.tag else "files"
             raise HubError(f"{spec.repo} has no GGUF {wanted}: it has {', '.join(ggufs) or 'none'}")
     paths = [download(spec.repo, part, online) for part in split_parts(files, primary)]
-    return paths[0]
+    return HfModel(f"hf:{spec.repo}/{primary}", paths[0])

@@ -118,7 +118,8 @@ class ResolvedModel:
     """A model argument resolved: the file to load, and the one name messages and the server give it."""
 
     path: Path
-    name: str  # a registry model's registry name, wherever its file was found or however it was named; else the argument
+    name: str  # a registry model's registry name, wherever its file was found or however it was named; else the
+    # argument as given: a store's name (ollama:qwen2.5:0.5b, not its blob's path), a path
 
 
 def registry_name(path: Path, *, registry: Path | None = None, models: Path | None = None) -> str | None:
@@ -134,7 +135,8 @@ def registry_name(path: Path, *, registry: Path | None = None, models: Path | No
 
 def resolve_model(name_or_path: str | Path | None, *, registry: Path | None = None,
                   models: Path | None = None) -> ResolvedModel:
-    """A model argument as commands accept it: None (the default model), a GGUF path, or a registry name.
+    """A model argument as commands accept it: None (the default model), a GGUF path, a name `specee-edge models`
+    shows for another tool's store (`specee_edge.stores`), or a registry name.
 
     A registry name resolves only once pulled; nothing is downloaded here.
     """
@@ -144,10 +146,14 @@ def resolve_model(name_or_path: str | Path | None, *, registry: Path | None = No
 
 
 def locate_model(text: str, registry: Path | None, models: Path | None) -> Path:
-    """The file a model argument (a GGUF path or a registry name) names."""
+    """The file a model argument (a GGUF path, a store's name or a registry name) names."""
+    from specee_edge.stores import is_store_name, resolve_stored  # stores imports this module
+
     path = Path(text).expanduser()
     if path.is_file():
         return path
+    if is_store_name(text):
+        return resolve_stored(text)
     if path.suffix == ".gguf" or "/" in text or os.sep in text:
         raise ModelLoadError(f"no such model file: {text}")
     entries = load_registry(registry)

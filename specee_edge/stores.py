@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specee_edge.errors import ModelLoadError
-from specee_edge.hf import SPLIT, cache_dirs, is_first_part, is_model_gguf
+from specee_edge.hf import SPLIT, cache_dirs, is_first_part, is_model_gguf, main_snapshot
 from specee_edge.pack.locate import cached_pack_path, pack_beside
 from specee_edge.pull import models_dir, pulled_path
 from specee_edge.registry import load_registry
@@ -109,16 +109,19 @@ def _registry_models() -> Iterator[StoredModel]:
             yield StoredModel(str(path), "specee-edge", path)
 
 
-def _newest_first(snapshots: Path) -> list[Path]:
-    """A repository's snapshot folders in a Hugging Face cache, the newest first."""
-    return sorted(snapshots.glob("*"), key=lambda p: p.stat().st_mtime, reverse=True)
+def _snapshots(repo_dir: Path) -> list[Path]:
+    """A repository's snapshots in a Hugging Face cache in the order a name looks in them: main's (what -hf loads),
+    then the newest first."""
+    main = main_snapshot(repo_dir)
+    newest = sorted((repo_dir / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return sorted(newest, key=lambda p: p != main)
 
 
 def _hf_models() -> Iterator[StoredModel]:
     seen: set[str] = set()
     for root in cache_dirs():
         for model in _hf_cache(root):
-            if model.name not in seen:  # the first cache (its newest snapshot) holding a file is where it loads from
+            if model.name not in seen:  # the first cache holding a file is where it loads from
                 seen.add(model.name)
                 yield model
 
@@ -126,7 +129,7 @@ def _hf_models() -> Iterator[StoredModel]:
 def _hf_cache(root: Path) -> Iterator[StoredModel]:
     for repo_dir in sorted(root.glob("models--*--*")) if root.is_dir() else ():
         repo = repo_dir.name.removeprefix("models--").replace("--", "/", 1)
-        for snapshot in _newest_first(repo_dir / "snapshots"):
+        for snapshot in _snapshots(repo_dir):
             for path in _ggufs(snapshot):
                 if path.exists():  # a symlink into blobs/; a dangling one is a cut download
                     yield StoredModel(f"hf:{repo}/{path.relative_to(snapshot).as_posix()}", "huggingface", path)
@@ -205,13 +208,13 @@ def _ollama_path(name: str) -> Path:
 
 
 def _hf_path(name: str) -> Path:
-    """`hf:USER/REPO/FILE` as `specee-edge models` lists it: from the first cache, and its newest snapshot,
-    that holds the file."""
+    """`hf:USER/REPO/FILE` as `specee-edge models` lists it: from the first cache, and in it the first snapshot
+    (main's, then the newest), that holds the file."""
     owner, _, rest = name.partition("/")
     repo, _, file = rest.partition("/")
-    folders = [root / f"models--{owner}--{repo}" / "snapshots" for root in cache_dirs()]
-    found = (snapshot / file for folder in folders for snapshot in _newest_first(folder))
-    return next((p for p in found if p.is_file()), folders[0] / file)
+    folders = [root / f"models--{owner}--{repo}" for root in cache_dirs()]
+    found = (snapshot / file for folder in folders for snapshot in _snapshots(folder)) if file else ()
+    return next((p for p in found if p.is_file()), folders[0] / "snapshots" / file)
 
 
 def resolve_stored(name: str) -> Path:

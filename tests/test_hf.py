@@ -154,16 +154,16 @@ def test_the_quant_is_picked_as_llama_cpp_picks_it():
 
 
 def test_a_repo_downloads_once_into_the_hugging_face_cache(hub, tmp_path, tiny_bytes, monkeypatch):
-    path = hf_model(REPO)
+    path = hf_model(REPO).path
     assert path.name == "tiny-Q4_K_M.gguf" and path.read_bytes() == tiny_bytes
     assert path.is_relative_to(tmp_path / "hf" / "models--tester--tiny-GGUF" / "snapshots" / COMMIT)
-    assert hf_model(f"{REPO}:q2_K").name == "tiny-q2_k.gguf"
-    assert hf_model(REPO, "TINY-Q8_0.gguf").name == "tiny-Q8_0.gguf"
+    assert hf_model(f"{REPO}:q2_K").path.name == "tiny-q2_k.gguf"
+    assert hf_model(REPO, "TINY-Q8_0.gguf").name == f"hf:{REPO}/tiny-Q8_0.gguf"  # the repository's spelling
     gets = list(hub.gets)
-    assert hf_model(REPO) == path and hub.gets == gets  # cached: nothing fetched again
+    assert hf_model(REPO).path == path and hub.gets == gets  # cached: nothing fetched again
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # and found offline, through the cache alone
     hub.close()
-    assert hf_model(REPO) == path
+    assert hf_model(REPO).path == path
 
 
 def test_a_private_repo_takes_hf_token(hub, tiny_bytes, monkeypatch):
@@ -172,7 +172,7 @@ def test_a_private_repo_takes_hf_token(hub, tiny_bytes, monkeypatch):
     with pytest.raises(HubError, match="^no model repository tester/private-GGUF .*needs HF_TOKEN"):
         hf_model("tester/private-GGUF")
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
-    assert hf_model("tester/private-GGUF").read_bytes() == tiny_bytes
+    assert hf_model("tester/private-GGUF").path.read_bytes() == tiny_bytes
 
 
 def test_every_model_command_takes_hf():
@@ -188,8 +188,9 @@ def test_every_model_command_takes_hf():
 
 def test_a_split_model_comes_whole(hub, tiny_bytes):
     hub.repos[SPLIT_REPO] = {"m-Q4_K_M-00001-of-00002.gguf": tiny_bytes, "m-Q4_K_M-00002-of-00002.gguf": b"part two"}
-    path = hf_model(SPLIT_REPO)
+    path = hf_model(SPLIT_REPO).path
     assert path.name == "m-Q4_K_M-00001-of-00002.gguf"
+    assert hf_model(SPLIT_REPO).name == f"hf:{SPLIT_REPO}/m-Q4_K_M-00001-of-00002.gguf"
     assert (path.parent / "m-Q4_K_M-00002-of-00002.gguf").read_bytes() == b"part two"
 
 
@@ -230,11 +231,11 @@ def test_the_cache_is_llama_cpps_hugging_face_cache(hub, tmp_path, tiny_bytes, m
     for name in ("LLAMA_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_CACHE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(variable, str(tmp_path / variable))
-    path = hf_model(REPO)
+    path = hf_model(REPO).path
     assert path.is_relative_to(tmp_path / variable) and path.read_bytes() == tiny_bytes
     hub.gets.clear()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert hf_model(REPO) == path and hub.gets == []
+    assert hf_model(REPO).path == path and hub.gets == []
 
 
 def test_after_llama_cache_the_cache_is_huggingface_hubs_own(tmp_path, monkeypatch):
@@ -274,7 +275,18 @@ def test_a_cut_download_is_one_line_and_resumes(hub, tiny_bytes):
                                        "again to resume"):
         hf_model(REPO)
     hub.cut.clear()
-    assert hf_model(REPO).read_bytes() == tiny_bytes
+    assert hf_model(REPO).path.read_bytes() == tiny_bytes
+
+
+def test_an_hf_model_is_named_as_the_models_list_names_it(hub):
+    """-hf hands its model on by its hf: name, so chat's messages give a name that loads it again, not the path
+    of its file in the cache."""
+    from specee_edge.cli.chat import pick_model
+    from specee_edge.pull import ResolvedModel, resolve_model
+
+    name = f"hf:{REPO}/tiny-Q8_0.gguf"
+    assert pick_model(None, None, f"{REPO}:Q8_0") == name
+    assert resolve_model(name) == ResolvedModel(hf_model(f"{REPO}:Q8_0").path, name)
 
 
 def test_generate_takes_hf(hub, tmp_path):

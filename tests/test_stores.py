@@ -17,6 +17,7 @@ import pytest
 from specee_edge.default_model import default_model_path
 from specee_edge.errors import ModelLoadError
 from specee_edge.pack.locate import cached_pack_path, find_pack, pack_beside
+from specee_edge.pull import ResolvedModel, resolve_model
 from specee_edge import stores as stores_module
 from specee_edge.stores import in_store, llama_cpp_dir, pack_output, resolve_stored, stored_models
 from tests.conftest import SHIPPED_PACK
@@ -109,6 +110,30 @@ def test_the_stores_are_listed_by_the_names_that_load_them(stores):
         resolve_stored("lmstudio:a/b/c.gguf")
 
 
+def test_a_stores_name_resolves_to_its_file_and_stays_the_models_name(stores):
+    for name, path in stores.items():
+        assert resolve_model(name) == ResolvedModel(path, name)
+    blob = stores["ollama:qwen2.5:0.5b"]
+    assert resolve_model(str(blob)) == ResolvedModel(blob, str(blob))  # a path given stays a path
+    with pytest.raises(ModelLoadError, match=r"^Ollama has no model ollama:qwen2\.5:7b"):
+        resolve_model("ollama:qwen2.5:7b")
+
+
+def test_chat_and_serve_name_a_stores_model_by_its_name_not_its_blob(stores):
+    from specee_edge.cli.chat import EngineOptions, load_engine, pick_model
+    from specee_edge.cli.serve import served_model_id
+
+    name = "ollama:qwen2.5:0.5b"
+    opts = EngineOptions(pick_model(name, None), None, 256, "0", 1, None, None, None, True)
+    engine, label, notice = load_engine(opts, strict_pack=False)
+    try:
+        assert engine.model.info.path == stores[name]
+    finally:
+        engine.close()
+    assert label == name and served_model_id(None, None, label) == name  # /v1/models and every reply
+    assert notice.startswith(f"no pack for {name}: ") and f"`specee-edge calibrate {name}`" in notice
+
+
 def test_the_models_command_reads_each_header(stores, tmp_path):
     result = subprocess.run([CLI, "models"], capture_output=True, text=True, env=dict(os.environ, COLUMNS="250"),
                             timeout=120)
@@ -139,6 +164,19 @@ def test_a_pack_for_a_model_in_a_store_is_kept_and_found_by_its_fingerprint(stor
                               capture_output=True, text=True, env=env, timeout=120)
     assert generate.returncode == 0, generate.stderr
     assert json.loads(generate.stdout)["pack"] == str(output)
+
+
+def test_a_hugging_face_name_loads_mains_file_as_hf_does_where_another_snapshot_is_newer(stores):
+    name = "hf:tester/tiny-GGUF/tiny-Q4_K_M.gguf"
+    main = stores[name]
+    other = main.parents[1] / ("f" * 40) / main.name  # a revision fetched later, by another tool
+    other.parent.mkdir()
+    shutil.copyfile(stores["ollama:someone/gpt:latest"], other)
+    os.utime(other.parent, (main.parent.stat().st_mtime + 60,) * 2)
+    assert resolve_stored(name) == main
+    assert {m.name: m.path for m in stored_models()}[name] == main
+    (main.parents[2] / "refs" / "main").unlink()  # no main in the cache: the newest snapshot
+    assert resolve_stored(name) == other
 
 
 def test_llama_cpps_cache_folder_is_where_llama_cpp_puts_it_on_each_os(stores, tmp_path, monkeypatch):

@@ -189,24 +189,20 @@ def sampling_params(temp: float, top_k: int, top_p: float, min_p: float, repeat_
 
 def pick_model(model: str | None, model_opt: str | None, hf_repo: str | None = None,
                hf_file: str | None = None) -> str | None:
-    """The model the command line names: the argument, -m, or -hf (downloaded here) - at most one of them. A
-    name `specee-edge models` shows for another tool's store (ollama:qwen2.5:0.5b, ...) becomes its file."""
+    """The model the command line names: the argument, -m, or -hf (downloaded here, then named as `specee-edge
+    models` shows it: hf:USER/REPO/FILE) - at most one of them. `specee_edge.pull.resolve_model` finds its file."""
     if model is not None and model_opt is not None and model != model_opt:
         raise SpecEEError(f"two models given: {model} and -m {model_opt}")
     named = model_opt or model
     if hf_repo is None:
         if hf_file is not None:
             raise SpecEEError("--hf-file names a file of the -hf repository: give -hf USER/REPO too")
-        from specee_edge.stores import is_store_name, resolve_stored
-
-        if named is not None and is_store_name(named) and not Path(named).is_file():
-            return str(resolve_stored(named))
         return named
     if named is not None:
         raise SpecEEError(f"two models given: {named} and -hf {hf_repo}")
     from specee_edge.hf import hf_model
 
-    return str(hf_model(hf_repo, hf_file))
+    return hf_model(hf_repo, hf_file).name
 
 
 @app.command()
