@@ -76,7 +76,7 @@ def test_a_lane_that_raises_is_dropped_and_the_others_finish(tiny_dir):
     vanilla = VanillaLane(llm, tokens, lambda t: False)
     peer = PeerLane(model, 64, 1, tokens, lambda t: False)
     try:
-        failed = run_lanes([prompt] * 2, [vanilla, peer], np.random.default_rng(0)).failed
+        failed = run_lanes([prompt] * 2, [vanilla, peer], np.random.default_rng(0), workers=()).failed
     finally:
         peer.close()
         llm.close()
@@ -148,7 +148,7 @@ def test_a_vanilla_lane_that_raises_ends_the_run_with_one_line():
     """Vanilla is the reference every lane is compared with: its failure is not a dropped lane but the run's end,
     in one line (it was a traceback)."""
     with pytest.raises(SpecEEError) as error:
-        run_lanes([[0, 1, 2]], [FailingVanilla()], np.random.default_rng(0))
+        run_lanes([[0, 1, 2]], [FailingVanilla()], np.random.default_rng(0), workers=())
     assert str(error.value) == (f"the vanilla lane ({LLAMA_CPP_PYTHON}, every lane's reference) failed: "
                                 "ValueError: could not broadcast input array")
 
@@ -161,7 +161,8 @@ def test_prompt_lookup_lane_takes_a_prompt_longer_than_its_batch(tiny_dir):
     vanilla = VanillaLane(llm, TOKENS, lambda t: False)
     peer = PeerLane(model, 1024, 1, TOKENS, lambda t: False)
     try:
-        assert run_lanes([[0] + [10, 11, 12, 13] * 150], [vanilla, peer], np.random.default_rng(0)).failed == {}
+        prompt = [0] + [10, 11, 12, 13] * 150
+        assert run_lanes([prompt], [vanilla, peer], np.random.default_rng(0), workers=()).failed == {}
     finally:
         peer.close()
         llm.close()
@@ -191,7 +192,7 @@ def test_plain_server_answers_as_llama_does(setup):
     vanilla = VanillaLane(llm, TOKENS, lambda t: t == llm.token_eos())
     with LlamaServer(setup) as server:
         lane = ServerLane(PLAIN, server, TOKENS, GREEDY)
-        assert run_lanes(prompts, [vanilla, lane], np.random.default_rng(0)).failed == {}
+        assert run_lanes(prompts, [vanilla, lane], np.random.default_rng(0), workers=()).failed == {}
     llm.close()
     assert server.proc.poll() is not None  # stopped on leaving the block
     assert lane.outputs == vanilla.outputs

@@ -253,12 +253,13 @@ class PassLog:
 
 
 def run_lanes(prompts: Sequence[Sequence[int]], lanes: Sequence[Lane], rng: np.random.Generator,
-              advance: Callable[[int], None] = lambda n: None, workers: tuple[Endpoint, ...] = ()) -> PassLog:
+              advance: Callable[[int], None] = lambda n: None, *, workers: tuple[Endpoint, ...]) -> PassLog:
     """Every lane answers every prompt whole, one lane after another, in an order `rng` shuffles anew for each
     prompt; `advance` counts answers. workers: the RPC workers the lanes' layers live on (each lane's timing counts
-    the replies its steps waited for). lanes[0] is the reference (vanilla: the answers quality compares with, the
-    tokens the cost lanes decode): where it raises, the run ends with one line (SpecEEError). Any other lane that
-    raises (a peer's bug, a server that died) is dropped, a line in the log, and the others go on."""
+    the replies its steps waited for), required so that no pass, greedy or sampled, leaves them uncounted by
+    omission. lanes[0] is the reference (vanilla: the answers quality compares with, the tokens the cost lanes
+    decode): where it raises, the run ends with one line (SpecEEError). Any other lane that raises (a peer's bug, a
+    server that died) is dropped, a line in the log, and the others go on."""
     watch = Stopwatch(workers)
     log = PassLog()
     for prompt in prompts:
