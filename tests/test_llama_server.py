@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,11 +17,12 @@ from llama_cpp import Llama
 from typer.testing import CliRunner
 
 from specee_edge import build_runtime
+from specee_edge.bench import run as bench_run
 from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, ENV_BINARY, PLAIN, SPEC_TYPES, LlamaServer,
                                             LlamaServerError, ServerLane, ServerSetup, completion, find_binary,
                                             has_terminal, parse_spec_types)
 from specee_edge.bench.report import LLAMA_CPP_PYTHON
-from specee_edge.bench.run import baseline_notes
+from specee_edge.bench.run import BenchConfig, baseline_notes
 from specee_edge.bench.runner import ContextLane, PeerLane, VanillaLane, run_lanes
 from specee_edge.cli import app
 from specee_edge.default_model import default_model_path
@@ -151,6 +153,21 @@ def test_a_vanilla_lane_that_raises_ends_the_run_with_one_line():
         run_lanes([[0, 1, 2]], [FailingVanilla()], np.random.default_rng(0), workers=())
     assert str(error.value) == (f"the vanilla lane ({LLAMA_CPP_PYTHON}, every lane's reference) failed: "
                                 "ValueError: could not broadcast input array")
+
+
+def test_a_vanilla_lane_that_does_not_load_ends_the_run_with_one_line(monkeypatch):
+    """Its Llama is loaded outside run_lanes, at the start of each pass: llama-cpp-python's ValueError there ends
+    the run with the same line as a failure to answer (the CLI prints a SpecEEError; it was a traceback)."""
+    def broken_llama(**kwargs):
+        raise ValueError("Failed to load model from file: broken.gguf\nsecond line")
+
+    monkeypatch.setattr(bench_run, "Llama", broken_llama)
+    config = BenchConfig(model=Path("broken.gguf"), threads=1)
+    with pytest.raises(SpecEEError) as error:  # the Llama is the pass's first load: nothing else is opened
+        bench_run.decode_pass(config, [[0, 1, 2]], None, {}, [], False, GREEDY, np.random.default_rng(0), [],
+                              "greedy", bench_run.Silent())
+    assert str(error.value) == (f"the vanilla lane ({LLAMA_CPP_PYTHON}, every lane's reference) failed: "
+                                "ValueError: Failed to load model from file: broken.gguf")
 
 
 def test_prompt_lookup_lane_takes_a_prompt_longer_than_its_batch(tiny_dir):

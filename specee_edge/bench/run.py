@@ -23,7 +23,8 @@ from specee_edge.bench.report import (LLAMA_CPP_PYTHON, TIME_PARTS, BenchResult,
                                       SampledResult)
 from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, DRAFT, PLAIN, LlamaServer, LlamaServerError, ServerLane,
                                             ServerSetup, lane_args)
-from specee_edge.bench.runner import ContextLane, Lane, PeerLane, SpecEELane, VanillaLane, run_lanes
+from specee_edge.bench.runner import (ContextLane, Lane, PeerLane, SpecEELane, VanillaLane, reference_failed,
+                                      run_lanes)
 from specee_edge.bootstrap import speedup_interval
 from specee_edge.data.prompts import Prompt, bench_prompts, heldout_text
 from specee_edge.engine import AUTO, DEFAULT_KV_MODE, Engine, EngineConfig, GenerationStats, TokenRecord
@@ -230,8 +231,7 @@ def decode_pass(config: BenchConfig, prompts: Sequence[Sequence[int]], model: Mo
     (Llama.eval, its context the engines' size: attention over a larger cache costs more), the bare Context, an
     engine's lane each, the peer (with_peer) and a llama-server per name. A lane that fails is a line in `dropped`."""
     suffix = f", {what}"
-    llm = Llama(model_path=str(config.model), n_ctx=ENGINE_CTX, n_threads=config.threads,
-                n_threads_batch=config.threads, verbose=False, **llama_kwargs(config))
+    llm = vanilla_llama(config)
     ctx = Context(model, n_ctx=ENGINE_CTX, n_threads=config.threads, flash_attn=config.flash_attn)
     vanilla = VanillaLane(llm, config.tokens, model.is_eog, sampling)
     context = ContextLane(ctx, config.tokens, model.is_eog, sampling)
@@ -256,6 +256,16 @@ def decode_pass(config: BenchConfig, prompts: Sequence[Sequence[int]], model: Mo
                       peer=None if peer is None or id(peer) in gone else peer,
                       servers={lane.name: lane for lane in server_lanes if id(lane) not in gone},
                       order=[[lanes[i].name for i in order] for order in log.order])
+
+
+def vanilla_llama(config: BenchConfig) -> Llama:
+    """The Llama.eval lane's model, its context the engines' size. That lane is every lane's reference: where its
+    model does not load, the run ends with the line run_lanes gives where it fails to answer, not a traceback."""
+    try:
+        return Llama(model_path=str(config.model), n_ctx=ENGINE_CTX, n_threads=config.threads,
+                     n_threads_batch=config.threads, verbose=False, **llama_kwargs(config))
+    except Exception as e:  # noqa: BLE001 - llama-cpp-python raises ValueError where a model does not load
+        raise reference_failed(e) from None
 
 
 def tool_lane(lane: Lane, vanilla: VanillaLane, base: Timing, categories: Sequence[str], sampled: Lane | None,

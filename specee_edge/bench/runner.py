@@ -272,11 +272,15 @@ def run_lanes(prompts: Sequence[Sequence[int]], lanes: Sequence[Lane], rng: np.r
                 lanes[i].answer(prompt, watch)
             except Exception as e:  # noqa: BLE001 - any lane's error drops that lane only; the reference's ends the run
                 if i == 0:
-                    raise SpecEEError(f"the vanilla lane ({LLAMA_CPP_PYTHON}, every lane's reference) failed: "
-                                      f"{one_line(e)}") from None
+                    raise reference_failed(e) from None
                 log.failed[i] = one_line(e)
             advance(1)
     return log
+
+
+def reference_failed(error: BaseException) -> SpecEEError:
+    """The run's end where the vanilla lane, every lane's reference, fails to load or to answer: one line."""
+    return SpecEEError(f"the vanilla lane ({LLAMA_CPP_PYTHON}, every lane's reference) failed: {one_line(error)}")
 
 
 def one_line(error: BaseException) -> str:
