@@ -52,6 +52,12 @@ def test_spec_types_flag():
         parse_spec_types("ngram-mod,ngram-nope")
 
 
+def test_every_server_keeps_every_tokens_kv_as_the_other_lanes_do():
+    """--swa-full: llama-server's default keeps a window's K/V for a sliding-window model (gemma); our contexts and
+    llama-cpp-python's Llama keep every token's (docs/bench.md, the lanes)."""
+    assert "--swa-full" in ServerSetup(Path("llama-server"), Path("model.gguf"), threads=2, n_ctx=512).args(8080, [])
+
+
 @pytest.mark.parametrize("reply", [{"tokens": [1, 2]}, {"tokens": [1, 2], "timings": {"predicted_n": 2}}])
 def test_a_reply_without_timings_fails_the_lane(reply):
     """A llama-server of another version that answers without timings: an error for its lane (a dropped line),
