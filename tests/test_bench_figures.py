@@ -15,7 +15,7 @@ from rich.table import Table
 
 from specee_edge.bench.llama_server import PLAIN
 from specee_edge.bench.quality import Agreement, Perplexity
-from specee_edge.bench.report import LLAMA_CPP_PYTHON, BenchResult, category_ratio, ratio
+from specee_edge.bench.report import LLAMA_CPP_PYTHON, BenchResult, _plot_tradeoff, category_ratio, ratio
 from specee_edge.bench.run import (NO_PACK, interval_by_category, lane_speed, lane_stats, mode_result, sampled_result,
                                    speedup_by_category, tool_lane)
 from specee_edge.bench.runner import SpecEELane
@@ -134,3 +134,17 @@ def test_the_terminal_prints_each_speedup_with_its_interval(result):
     peer = ratio(result.peer.speedup_no_loop, result.peer.speedup_no_loop_interval, sep=" ")
     row = next(line for line in terminal_text(result._run(), width=160).splitlines() if "peer, no loops" in line)
     assert f"{peer} greedy on the answers that do not loop" in row
+
+
+def test_the_plot_names_the_vanilla_lane_as_the_tables_do(result):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (agreement_ax, ppl_ax) = plt.subplots(1, 2)
+    try:
+        _plot_tradeoff(result, agreement_ax, ppl_ax)
+        assert f"vanilla ({LLAMA_CPP_PYTHON})" in [text.get_text() for text in agreement_ax.get_legend().get_texts()]
+    finally:
+        plt.close(figure)

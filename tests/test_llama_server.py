@@ -95,7 +95,7 @@ def test_a_lane_that_raises_is_dropped_and_the_others_finish(tiny_dir):
 
 def test_a_baseline_that_moved_to_llama_is_a_note():
     """llama-server plain asked for but not run (it failed to build, start or answer): the speed-ups of that pass
-    are against llama-cpp-python's Llama, and a line says so; with --no-llama-server that is the baseline, no note."""
+    are against the Llama.eval lane, and a line says so; with --no-llama-server that is the baseline, no note."""
     assert baseline_notes(True, PLAIN, PLAIN) == []
     assert baseline_notes(False, LLAMA_CPP_PYTHON, LLAMA_CPP_PYTHON) == []
     notes = baseline_notes(True, PLAIN, LLAMA_CPP_PYTHON)

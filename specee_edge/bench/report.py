@@ -636,7 +636,7 @@ def _plot_tradeoff(result: BenchResult, agreement_ax, ppl_ax) -> None:
                 for ax, x in ((agreement_ax, m.agreement), (ppl_ax, m.ppl_specee)):
                     ax.annotate(f"{m.quality:g}", (x, m.speedup), textcoords="offset points", xytext=(4, 4), fontsize=8)
     for ax, x in ((agreement_ax, 1.0), (ppl_ax, result.ppl_full)):
-        ax.plot([x], [result.vanilla_speedup], "s", color="k", label="vanilla (llama-cpp-python)")
+        ax.plot([x], [result.vanilla_speedup], "s", color="k", label=f"vanilla ({LLAMA_CPP_PYTHON})")
     if result.oracle_speedup:
         oracle = result.oracle_speedup * result.vanilla_speedup
         agreement_ax.plot([1.0], [oracle], "*", color="0.4", markersize=12, label="oracle")
