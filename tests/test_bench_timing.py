@@ -53,7 +53,7 @@ def test_each_lane_decodes_a_whole_answer_alone():
     whole answer (token by token in turns, they alternated)."""
     log: list[tuple[str, int]] = []
     lanes = recorders(4, log)
-    run_lanes([[10], [20], [30]], lanes, np.random.default_rng(0))
+    run_lanes([[10], [20], [30]], lanes, np.random.default_rng(0), workers=())
     runs = [log[i:i + TOKENS - 1] for i in range(0, len(log), TOKENS - 1)]
     assert len(runs) == 3 * len(lanes)
     assert all(len(set(run)) == 1 for run in runs)  # each run one lane, one prompt
@@ -65,14 +65,14 @@ def test_the_lanes_order_is_shuffled_per_prompt_and_recorded():
     log: list[tuple[str, int]] = []
     lanes = recorders(5, log)
     prompts = [[i] for i in range(8)]
-    record = run_lanes(prompts, lanes, np.random.default_rng(7))
+    record = run_lanes(prompts, lanes, np.random.default_rng(7), workers=())
     assert len(record.order) == len(prompts)
     assert all(sorted(order) == list(range(len(lanes))) for order in record.order)
     assert len({tuple(order) for order in record.order}) > 1  # not one fixed order
     assert {order[0] for order in record.order} != {0}       # the reference is not always first
     ran = [name for i, (name, _) in enumerate(log) if i % (TOKENS - 1) == 0]
     assert ran == [lanes[i].name for order in record.order for i in order]  # the order recorded is the order run
-    again = run_lanes(prompts, recorders(5, []), np.random.default_rng(7))
+    again = run_lanes(prompts, recorders(5, []), np.random.default_rng(7), workers=())
     assert again.order == record.order  # seeded
 
 
@@ -80,13 +80,20 @@ def test_a_failing_lane_is_dropped_and_a_failing_reference_ends_the_run():
     log: list[tuple[str, int]] = []
     lanes = recorders(3, log)
     lanes[2].fails_on_prompt = 1
-    record = run_lanes([[1], [2], [3]], lanes, np.random.default_rng(0))
+    record = run_lanes([[1], [2], [3]], lanes, np.random.default_rng(0), workers=())
     assert record.failed == {2: "RuntimeError: broken"}
     assert len(lanes[2].outputs) == 1 and len(lanes[1].outputs) == 3  # tried no more after failing
     reference = recorders(2, [])
     reference[0].fails_on_prompt = 0
     with pytest.raises(SpecEEError, match="every lane's reference\\) failed: RuntimeError: broken$"):
-        run_lanes([[1]], reference, np.random.default_rng(0))
+        run_lanes([[1]], reference, np.random.default_rng(0), workers=())
+
+
+def test_every_pass_names_its_rpc_workers():
+    """workers= has no default: a pass that left it out (the sampled pass did before d669af4) would count no round
+    trips without a word; now it cannot run."""
+    with pytest.raises(TypeError, match="workers"):
+        run_lanes([[1]], recorders(1, []), np.random.default_rng(0))
 
 
 def test_a_call_that_returns_none_is_no_step():
@@ -111,7 +118,7 @@ def test_the_bare_context_lane_answers_as_llama_eval_does(default_model, samplin
     try:
         vanilla = VanillaLane(llm, 12, default_model.is_eog, sampling)
         context = ContextLane(ctx, 12, default_model.is_eog, sampling)
-        assert run_lanes([prompt, prompt[:-3]], [vanilla, context], np.random.default_rng(0)).failed == {}
+        assert run_lanes([prompt, prompt[:-3]], [vanilla, context], np.random.default_rng(0), workers=()).failed == {}
     finally:
         ctx.close()
         llm.close()

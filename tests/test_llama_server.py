@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,11 +17,12 @@ from llama_cpp import Llama
 from typer.testing import CliRunner
 
 from specee_edge import build_runtime
+from specee_edge.bench import run as bench_run
 from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, ENV_BINARY, PLAIN, SPEC_TYPES, LlamaServer,
                                             LlamaServerError, ServerLane, ServerSetup, completion, find_binary,
                                             has_terminal, parse_spec_types)
 from specee_edge.bench.report import LLAMA_CPP_PYTHON
-from specee_edge.bench.run import baseline_notes
+from specee_edge.bench.run import BenchConfig, baseline_notes
 from specee_edge.bench.runner import ContextLane, PeerLane, VanillaLane, run_lanes
 from specee_edge.cli import app
 from specee_edge.default_model import default_model_path
@@ -50,6 +52,12 @@ def test_spec_types_flag():
         parse_spec_types("ngram-mod,ngram-nope")
 
 
+def test_every_server_keeps_every_tokens_kv_as_the_other_lanes_do():
+    """--swa-full: llama-server's default keeps a window's K/V for a sliding-window model (gemma); our contexts and
+    llama-cpp-python's Llama keep every token's (docs/bench.md, the lanes)."""
+    assert "--swa-full" in ServerSetup(Path("llama-server"), Path("model.gguf"), threads=2, n_ctx=512).args(8080, [])
+
+
 @pytest.mark.parametrize("reply", [{"tokens": [1, 2]}, {"tokens": [1, 2], "timings": {"predicted_n": 2}}])
 def test_a_reply_without_timings_fails_the_lane(reply):
     """A llama-server of another version that answers without timings: an error for its lane (a dropped line),
@@ -76,7 +84,7 @@ def test_a_lane_that_raises_is_dropped_and_the_others_finish(tiny_dir):
     vanilla = VanillaLane(llm, tokens, lambda t: False)
     peer = PeerLane(model, 64, 1, tokens, lambda t: False)
     try:
-        failed = run_lanes([prompt] * 2, [vanilla, peer], np.random.default_rng(0)).failed
+        failed = run_lanes([prompt] * 2, [vanilla, peer], np.random.default_rng(0), workers=()).failed
     finally:
         peer.close()
         llm.close()
@@ -87,7 +95,7 @@ def test_a_lane_that_raises_is_dropped_and_the_others_finish(tiny_dir):
 
 def test_a_baseline_that_moved_to_llama_is_a_note():
     """llama-server plain asked for but not run (it failed to build, start or answer): the speed-ups of that pass
-    are against llama-cpp-python's Llama, and a line says so; with --no-llama-server that is the baseline, no note."""
+    are against the Llama.eval lane, and a line says so; with --no-llama-server that is the baseline, no note."""
     assert baseline_notes(True, PLAIN, PLAIN) == []
     assert baseline_notes(False, LLAMA_CPP_PYTHON, LLAMA_CPP_PYTHON) == []
     notes = baseline_notes(True, PLAIN, LLAMA_CPP_PYTHON)
@@ -148,9 +156,24 @@ def test_a_vanilla_lane_that_raises_ends_the_run_with_one_line():
     """Vanilla is the reference every lane is compared with: its failure is not a dropped lane but the run's end,
     in one line (it was a traceback)."""
     with pytest.raises(SpecEEError) as error:
-        run_lanes([[0, 1, 2]], [FailingVanilla()], np.random.default_rng(0))
+        run_lanes([[0, 1, 2]], [FailingVanilla()], np.random.default_rng(0), workers=())
     assert str(error.value) == (f"the vanilla lane ({LLAMA_CPP_PYTHON}, every lane's reference) failed: "
                                 "ValueError: could not broadcast input array")
+
+
+def test_a_vanilla_lane_that_does_not_load_ends_the_run_with_one_line(monkeypatch):
+    """Its Llama is loaded outside run_lanes, at the start of each pass: llama-cpp-python's ValueError there ends
+    the run with the same line as a failure to answer (the CLI prints a SpecEEError; it was a traceback)."""
+    def broken_llama(**kwargs):
+        raise ValueError("Failed to load model from file: broken.gguf\nsecond line")
+
+    monkeypatch.setattr(bench_run, "Llama", broken_llama)
+    config = BenchConfig(model=Path("broken.gguf"), threads=1)
+    with pytest.raises(SpecEEError) as error:  # the Llama is the pass's first load: nothing else is opened
+        bench_run.decode_pass(config, [[0, 1, 2]], None, {}, [], False, GREEDY, np.random.default_rng(0), [],
+                              "greedy", bench_run.Silent())
+    assert str(error.value) == (f"the vanilla lane ({LLAMA_CPP_PYTHON}, every lane's reference) failed: "
+                                "ValueError: Failed to load model from file: broken.gguf")
 
 
 def test_prompt_lookup_lane_takes_a_prompt_longer_than_its_batch(tiny_dir):
@@ -161,7 +184,8 @@ def test_prompt_lookup_lane_takes_a_prompt_longer_than_its_batch(tiny_dir):
     vanilla = VanillaLane(llm, TOKENS, lambda t: False)
     peer = PeerLane(model, 1024, 1, TOKENS, lambda t: False)
     try:
-        assert run_lanes([[0] + [10, 11, 12, 13] * 150], [vanilla, peer], np.random.default_rng(0)).failed == {}
+        prompt = [0] + [10, 11, 12, 13] * 150
+        assert run_lanes([prompt], [vanilla, peer], np.random.default_rng(0), workers=()).failed == {}
     finally:
         peer.close()
         llm.close()
@@ -191,7 +215,7 @@ def test_plain_server_answers_as_llama_does(setup):
     vanilla = VanillaLane(llm, TOKENS, lambda t: t == llm.token_eos())
     with LlamaServer(setup) as server:
         lane = ServerLane(PLAIN, server, TOKENS, GREEDY)
-        assert run_lanes(prompts, [vanilla, lane], np.random.default_rng(0)).failed == {}
+        assert run_lanes(prompts, [vanilla, lane], np.random.default_rng(0), workers=()).failed == {}
     llm.close()
     assert server.proc.poll() is not None  # stopped on leaving the block
     assert lane.outputs == vanilla.outputs

@@ -343,7 +343,8 @@ class BenchResult:
         rows += [("dropped", line) for line in self.dropped]
         rows += [("note", line) for line in self.notes]
         if self.peer and self.peer.speedup_no_loop is not None:
-            rows.append(("peer, no loops", f"{self.peer.speedup_no_loop:.3f}x greedy on the answers that do not loop"))
+            no_loop = ratio(self.peer.speedup_no_loop, self.peer.speedup_no_loop_interval, sep=" ")
+            rows.append(("peer, no loops", f"{no_loop} greedy on the answers that do not loop"))
         for label, value in rows:
             table.add_row(label, value)
         return table
@@ -351,26 +352,32 @@ class BenchResult:
     def _quality(self) -> Table:
         """Speed against quality: a row per lane (KV mode at a quality level; * the pack's default), vanilla
         and the oracles. Headers break between words, so that the table fits 80 columns."""
-        table = Table(title="speed and quality", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
-                      caption="* the pack's default level; ppl with the pack's temperatures (without them: the JSON's "
-                              "ppl_specee_raw); identical: whole answers equal to vanilla's" if self.default_quality is not None else None)
+        levels = ("* the pack's default level; ppl with the pack's temperatures (without them: the JSON's "
+                  "ppl_specee_raw); " if self.default_quality is not None else "")
+        table = Table(title="speed and quality", box=box.SIMPLE_HEAD, show_edge=False, padding=0,
+                      caption=f"{levels}identical: whole answers equal to vanilla's; speed-ups with their 95% "
+                              "interval, bootstrapped over the prompts")
         table.add_column("lane", style="bold", no_wrap=True, vertical="bottom")
         for name in ("speed-\nup\nsam-\npled", "speed-\nup\ngree-\ndy", "agree-\nment", "iden-\ntical", "exact\nprefix",
                      "ppl", "avg\nexit\nlayer", "exit\nrate", "head-\nfree\nrate"):
             table.add_column(name, justify="right", vertical="bottom")
         llama = self.tools.get(LLAMA_CPP_PYTHON)
-        table.add_row("vanilla", f"{llama.speedup_sampled:.3f}x" if llama and llama.speedup_sampled else "-",
-                      f"{self.vanilla_speedup:.3f}x", "1.000", "1.00", "-",
+        table.add_row("vanilla", ratio(llama.speedup_sampled, llama.speedup_sampled_interval)
+                      if llama and llama.speedup_sampled else "-",
+                      ratio(self.vanilla_speedup, llama.speedup_interval if llama else None), "1.000", "1.00", "-",
                       f"{self.ppl_full:.2f}", f"{self.n_layer - 1:.2f}", "0.000", "0.000")
         for m in self.modes:
             default = "*" if m.quality is not None and m.quality == self.default_quality else " "
-            table.add_row(self.level_label(m) + default, f"{m.sampled.speedup:.3f}x" if m.sampled else "-",
-                          f"{m.speedup:.3f}x", f"{m.agreement:.3f}", f"{m.identical:.2f}",
+            table.add_row(self.level_label(m) + default,
+                          ratio(m.sampled.speedup, m.sampled.speedup_interval) if m.sampled else "-",
+                          ratio(m.speedup, m.speedup_interval), f"{m.agreement:.3f}", f"{m.identical:.2f}",
                           f"{m.exact_prefix:.1f}", f"{m.ppl_specee:.2f}",
                           f"{m.avg_exit_layer:.2f}", f"{m.exit_rate:.3f}", f"{m.head_free_rate:.3f}")
         if self.peer:
-            table.add_row("peer", f"{self.peer_sampled.speedup:.3f}x" if self.peer_sampled else "-",
-                          f"{self.peer.speedup:.3f}x", "-", f"{self.peer.identical:.2f}", *["-"] * 5)
+            sampled_peer = self.peer_sampled
+            table.add_row("peer", ratio(sampled_peer.speedup, sampled_peer.speedup_interval) if sampled_peer else "-",
+                          ratio(self.peer.speedup, self.peer.speedup_interval), "-", f"{self.peer.identical:.2f}",
+                          *["-"] * 5)
         if self.oracle_speedup:
             table.add_row("oracle", "-", f"{self.oracle_speedup * self.vanilla_speedup:.3f}x", "1.000", "1.00", "-", "-",
                           f"{self.oracle_avg_exit_layer:.2f}", f"{self.oracle_exit_rate:.3f}", "0.000")
@@ -395,7 +402,7 @@ class BenchResult:
             ("specee tok/s", lambda m: f"{m.specee_tok_s:.1f}"),
             ("calibrated speedup (greedy / sampled)", calibrated_cell),
             ("calibrated agreement: interval, inside; bench's interval, overlap; promise kept", agreement_cell),
-            ("speedup greedy, answers that do not loop", lambda m: "-" if m.speedup_no_loop is None else f"{m.speedup_no_loop:.3f}x"),
+            ("speedup greedy, answers that do not loop", lambda m: ratio(m.speedup_no_loop, m.speedup_no_loop_interval)),
             ("gain_captured (head-free oracle)", lambda m: "-" if m.gain_captured is None else f"{m.gain_captured:+.2f}"),
             ("predictor_calls_per_token", lambda m: f"{m.predictor_calls_per_token:.2f}"),
             ("verify_fail_rate", lambda m: f"{m.verify_fail_rate:.3f}"),
@@ -629,7 +636,7 @@ def _plot_tradeoff(result: BenchResult, agreement_ax, ppl_ax) -> None:
                 for ax, x in ((agreement_ax, m.agreement), (ppl_ax, m.ppl_specee)):
                     ax.annotate(f"{m.quality:g}", (x, m.speedup), textcoords="offset points", xytext=(4, 4), fontsize=8)
     for ax, x in ((agreement_ax, 1.0), (ppl_ax, result.ppl_full)):
-        ax.plot([x], [result.vanilla_speedup], "s", color="k", label="vanilla (llama-cpp-python)")
+        ax.plot([x], [result.vanilla_speedup], "s", color="k", label=f"vanilla ({LLAMA_CPP_PYTHON})")
     if result.oracle_speedup:
         oracle = result.oracle_speedup * result.vanilla_speedup
         agreement_ax.plot([1.0], [oracle], "*", color="0.4", markersize=12, label="oracle")

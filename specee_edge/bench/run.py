@@ -23,7 +23,8 @@ from specee_edge.bench.report import (LLAMA_CPP_PYTHON, TIME_PARTS, BenchResult,
                                       SampledResult)
 from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, DRAFT, PLAIN, LlamaServer, LlamaServerError, ServerLane,
                                             ServerSetup, lane_args)
-from specee_edge.bench.runner import ContextLane, Lane, PeerLane, SpecEELane, VanillaLane, run_lanes
+from specee_edge.bench.runner import (ContextLane, Lane, PeerLane, SpecEELane, VanillaLane, reference_failed,
+                                      run_lanes)
 from specee_edge.bootstrap import speedup_interval
 from specee_edge.data.prompts import Prompt, bench_prompts, heldout_text
 from specee_edge.engine import AUTO, DEFAULT_KV_MODE, Engine, EngineConfig, GenerationStats, TokenRecord
@@ -230,8 +231,7 @@ def decode_pass(config: BenchConfig, prompts: Sequence[Sequence[int]], model: Mo
     (Llama.eval, its context the engines' size: attention over a larger cache costs more), the bare Context, an
     engine's lane each, the peer (with_peer) and a llama-server per name. A lane that fails is a line in `dropped`."""
     suffix = f", {what}"
-    llm = Llama(model_path=str(config.model), n_ctx=ENGINE_CTX, n_threads=config.threads,
-                n_threads_batch=config.threads, verbose=False, **llama_kwargs(config))
+    llm = vanilla_llama(config)
     ctx = Context(model, n_ctx=ENGINE_CTX, n_threads=config.threads, flash_attn=config.flash_attn)
     vanilla = VanillaLane(llm, config.tokens, model.is_eog, sampling)
     context = ContextLane(ctx, config.tokens, model.is_eog, sampling)
@@ -256,6 +256,16 @@ def decode_pass(config: BenchConfig, prompts: Sequence[Sequence[int]], model: Mo
                       peer=None if peer is None or id(peer) in gone else peer,
                       servers={lane.name: lane for lane in server_lanes if id(lane) not in gone},
                       order=[[lanes[i].name for i in order] for order in log.order])
+
+
+def vanilla_llama(config: BenchConfig) -> Llama:
+    """The Llama.eval lane's model, its context the engines' size. That lane is every lane's reference: where its
+    model does not load, the run ends with the line run_lanes gives where it fails to answer, not a traceback."""
+    try:
+        return Llama(model_path=str(config.model), n_ctx=ENGINE_CTX, n_threads=config.threads,
+                     n_threads_batch=config.threads, verbose=False, **llama_kwargs(config))
+    except Exception as e:  # noqa: BLE001 - llama-cpp-python raises ValueError where a model does not load
+        raise reference_failed(e) from None
 
 
 def tool_lane(lane: Lane, vanilla: VanillaLane, base: Timing, categories: Sequence[str], sampled: Lane | None,
@@ -328,7 +338,9 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     if model.placement.tensor_overrides:  # llama-cpp-python 0.3.36's Llama has no way to pass them
         where += " (not in the llama-cpp-python lanes: Llama cannot take -ot)"
     categories = [p.category for p in selected]
-    greedy_choices = {i: exact_choices(lane, vanilla, categories) for i, lane in greedy.specee.items()}
+    greedy_stats = {i: lane_stats(lane, categories) for i, lane in greedy.specee.items()}
+    greedy_choices = {i: exact_choices(lane, greedy_stats[i], vanilla, categories)
+                      for i, lane in greedy.specee.items()}
     costs = measure_costs(config, prompts, vanilla.outputs, first, seq_ctx, reporter) if pack else None
 
     # 1b. the same lanes, each fresh (new engines: their controllers start cold, as in the greedy pass), with chat's
@@ -374,7 +386,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     repeated_sampled = [repetition(output) for output in vanilla_sampled.outputs] if vanilla_sampled else []
     modes = [
         mode_result(lane, vanilla, base, oracle, costs, categories, no_loop, bool(model.workers),
-                    agreement=agreement(reference, prompts, lane.records, advance),
+                    stats=greedy_stats[i], agreement=agreement(reference, prompts, lane.records, advance),
                     # exact mode's distribution is the full model's: its perplexity is plain decoding's
                     ppl=perplexity(lane.engine, heldout, early_exit=not lane.engine.exact, advance=advance),
                     margins=divergence_margins(reference, prompts, vanilla.outputs, lane.outputs),
@@ -442,7 +454,7 @@ def lane_speed(lane: Lane, vanilla: VanillaLane, categories: Sequence[str], base
     """A lane's speed-up over the baseline (base: its timing), in all and per category, and its whole answers
     identical to vanilla's (same prompts and seeds); no_loop: the prompts whose vanilla answer does not loop, for
     the speed-up on them alone."""
-    identical = [output == reference for output, reference in zip(lane.outputs, vanilla.outputs)]
+    identical = identical_answers(lane, vanilla)
     every = range(len(categories))
     return SampledResult(speedup=lane.timing.tok_s / base.tok_s if base.tok_s else 0.0,
                          identical=float(np.mean(identical)) if identical else 0.0,
@@ -451,6 +463,11 @@ def lane_speed(lane: Lane, vanilla: VanillaLane, categories: Sequence[str], base
                          speedup_interval=interval_on(lane.timing, base, every),
                          speedup_no_loop_interval=interval_on(lane.timing, base, no_loop) if no_loop is not None else None,
                          speedup_by_category_interval=interval_by_category(lane.timing, base, categories))
+
+
+def identical_answers(lane: Lane, vanilla: VanillaLane) -> list[bool]:
+    """Per prompt, whether the lane's whole answer is vanilla's."""
+    return [output == reference for output, reference in zip(lane.outputs, vanilla.outputs)]
 
 
 def in_category(categories: Sequence[str]) -> dict[str, list[int]]:
@@ -478,23 +495,39 @@ def decode_stats(records: Sequence[Sequence[TokenRecord]], n_layer: int) -> Gene
     return stats
 
 
-def exact_choices(lane: SpecEELane, vanilla: VanillaLane, categories: Sequence[str]) -> ExactChoices | None:
+@dataclass
+class LaneStats:
+    """A SpecEE lane's decode_stats, over all its answers and over each category's: computed once, read by its
+    ModeResult or SampledResult and by its ExactChoices."""
+
+    total: GenerationStats
+    by_category: dict[str, GenerationStats]
+
+
+def lane_stats(lane: SpecEELane, categories: Sequence[str]) -> LaneStats:
+    n_layer = lane.engine.n_layer
+    return LaneStats(decode_stats(lane.records, n_layer),
+                     {category: decode_stats([lane.records[i] for i in prompts], n_layer)
+                      for category, prompts in in_category(categories).items()})
+
+
+def exact_choices(lane: SpecEELane, stats: LaneStats, vanilla: VanillaLane,
+                  categories: Sequence[str]) -> ExactChoices | None:
     """What an exact lane's controller chose, in all and per category, with the costs it measured (None for a
     lossy lane)."""
     if not lane.engine.exact:
         return None
-    n_layer = lane.engine.n_layer
-    stats = decode_stats(lane.records, n_layer)
     by_category = {}
     for category, prompts in in_category(categories).items():
-        part = decode_stats([lane.records[i] for i in prompts], n_layer)
+        part = stats.by_category[category]
         vanilla_tok_s = vanilla.timing.tok_s_on(prompts)
         by_category[category] = {
             "acceptance_rate": part.acceptance_rate, "tokens_per_round": part.tokens_per_round,
             "verify_cost": part.time_ms["batch"] / part.rounds * vanilla_tok_s / 1e3 if part.rounds and vanilla_tok_s else None,
             "plain": part.choice_shares()["plain"]}
-    return ExactChoices(shares=stats.choice_shares(), mean_drafts=stats.mean_drafts, explore_rounds=stats.explore_rounds,
-                        explore_ms_per_token=stats.explore_ms / stats.n_decode if stats.n_decode else 0.0,
+    total = stats.total
+    return ExactChoices(shares=total.choice_shares(), mean_drafts=total.mean_drafts, explore_rounds=total.explore_rounds,
+                        explore_ms_per_token=total.explore_ms / total.n_decode if total.n_decode else 0.0,
                         controller=lane.engine.controller.snapshot(), by_category=by_category)
 
 
@@ -514,32 +547,24 @@ def interval_on(lane: Timing, base: Timing, prompts: Sequence[int]) -> tuple[flo
 def sampled_result(lane: SpecEELane, vanilla: VanillaLane, categories: Sequence[str], base: Timing,
                    on_workers: bool) -> SampledResult:
     """on_workers: layers live on RPC workers (the lane's round trips are reported)."""
-    stats = decode_stats(lane.records, lane.engine.n_layer)
+    stats = lane_stats(lane, categories)
     result = lane_speed(lane, vanilla, categories, base)
-    result.acceptance_rate = stats.acceptance_rate
-    result.tokens_per_round = stats.tokens_per_round
-    result.exact = exact_choices(lane, vanilla, categories)
+    result.acceptance_rate = stats.total.acceptance_rate
+    result.tokens_per_round = stats.total.tokens_per_round
+    result.exact = exact_choices(lane, stats, vanilla, categories)
     result.round_trips = round_trips(lane.timing) if on_workers else None
     return result
 
 
 def mode_result(lane: SpecEELane, vanilla: VanillaLane, base: Timing, oracle: Oracle | None,
                 costs: TokenCosts | None, categories: Sequence[str], no_loop: Sequence[int], on_workers: bool, *,
-                agreement: Agreement, ppl: Perplexity, margins: list[float], off_replay: int | None,
+                stats: LaneStats, agreement: Agreement, ppl: Perplexity, margins: list[float], off_replay: int | None,
                 sampled: SampledResult | None, choices: ExactChoices | None) -> ModeResult:
     """categories: each prompt's, in the order the lane answered them; no_loop: the prompts whose vanilla
     answer does not loop; on_workers: layers live on RPC workers (the lane's round trips are reported); oracle and
-    costs: None without a pack (nothing exits)."""
-    n_layer = lane.engine.n_layer
-    stats = decode_stats(lane.records, n_layer)
-    by_category: dict[str, GenerationStats] = {}
-    for category, records in zip(categories, lane.records):
-        for record in records[1:]:
-            by_category.setdefault(category, GenerationStats(n_layer, early_exit=True)).add(record)
-    identical = [output == reference for output, reference in zip(lane.outputs, vanilla.outputs)]
-    identical_by_category = {c: float(np.mean([same for same, cat in zip(identical, categories) if cat == c]))
-                             for c in sorted(set(categories))}
-    speedup = lane.timing.tok_s / base.tok_s if base.tok_s else 0.0
+    costs: None without a pack (nothing exits); stats: the lane's lane_stats, which `choices` was built from too."""
+    speed = lane_speed(lane, vanilla, categories, base, no_loop)
+    total = stats.total
     # the oracle is priced in vanilla's steps: the gain it bounds is over vanilla
     over_vanilla = lane.timing.tok_s / vanilla.timing.tok_s if vanilla.timing.tok_s else 0.0
     headroom = oracle.head_free_speedup - 1 if oracle else 0.0
@@ -547,34 +572,34 @@ def mode_result(lane: SpecEELane, vanilla: VanillaLane, base: Timing, oracle: Or
     level = policy.level if policy and policy.threshold is None else None
     return ModeResult(
         kv_mode=lane.kv_mode, quality=policy.quality if policy else EXACT_QUALITY, steps=lane.timing.steps,
-        specee_tok_s=lane.timing.tok_s, speedup=speedup, speedup_no_loop=speedup_on(lane.timing, base, no_loop),
-        speedup_interval=interval_on(lane.timing, base, range(len(categories))),
-        speedup_no_loop_interval=interval_on(lane.timing, base, no_loop),
+        specee_tok_s=lane.timing.tok_s, speedup=speed.speedup, speedup_no_loop=speed.speedup_no_loop,
+        speedup_interval=speed.speedup_interval, speedup_no_loop_interval=speed.speedup_no_loop_interval,
         gain_captured=(over_vanilla - 1) / headroom if headroom > 1e-9 else None,
         agreement=agreement.agreement, exact_prefix=exact_prefix(vanilla.outputs, lane.outputs),
-        identical=float(np.mean(identical)), identical_by_category=identical_by_category,
+        identical=speed.identical, identical_by_category=by_category(identical_answers(lane, vanilla), categories),
         ppl_specee=ppl.value, ppl_specee_raw=ppl.raw,
-        avg_exit_layer=stats.avg_exit_layer, exit_rate=stats.exit_rate, head_free_rate=stats.head_free_rate,
+        avg_exit_layer=total.avg_exit_layer, exit_rate=total.exit_rate, head_free_rate=total.head_free_rate,
         candidate_mass=agreement.candidate_mass,
-        predictor_calls_per_token=stats.predictor_calls_per_token, verify_fail_rate=stats.verify_fail_rate,
-        draft_recall_at_k=stats.draft_recall_at_k, recall_draft_head=stats.recall_draft_head,
-        recall_lookup=stats.recall_lookup,
+        predictor_calls_per_token=total.predictor_calls_per_token, verify_fail_rate=total.verify_fail_rate,
+        draft_recall_at_k=total.draft_recall_at_k, recall_draft_head=total.recall_draft_head,
+        recall_lookup=total.recall_lookup,
+        # a category whose answers all ended at the prompt pass had no step to recall
         recall_by_category={c: {"steps": s.n_decode, "draft_recall_at_k": s.draft_recall_at_k,
                                 "recall_draft_head": s.recall_draft_head, "recall_lookup": s.recall_lookup}
-                            for c, s in sorted(by_category.items())},
-        ms_per_token=time_split(stats, lane.timing.ms, costs.draft_ms if costs else 0.0),
-        exit_histogram=exit_histogram(stats.exit_layers, n_layer),
-        exact=lane.engine.exact, acceptance_rate=stats.acceptance_rate, tokens_per_round=stats.tokens_per_round,
-        lookup_round_share=stats.lookup_rounds / stats.rounds if stats.rounds else 0.0,
-        verify_cost=verify_cost(stats, vanilla),
+                            for c, s in stats.by_category.items() if s.n_decode},
+        ms_per_token=time_split(total, lane.timing.ms, costs.draft_ms if costs else 0.0),
+        exit_histogram=exit_histogram(total.exit_layers, lane.engine.n_layer),
+        exact=lane.engine.exact, acceptance_rate=total.acceptance_rate, tokens_per_round=total.tokens_per_round,
+        lookup_round_share=total.lookup_rounds / total.rounds if total.rounds else 0.0,
+        verify_cost=verify_cost(total, vanilla),
         divergences=len(margins), near_ties=sum(margin < NEAR_TIE for margin in margins),
         largest_divergence_margin=max(margins, default=None), off_replay=off_replay, sampled=sampled,
         calibrated_speedup=level.speedup if level else None,
         calibrated_speedup_sampled=level.speedup_sampled if level and level.exact else None,
         calibrated_agreement=level.agreement_interval() if level and not level.exact and level.steps else None,
         agreement_interval=agreement.interval,
-        speedup_by_category=speedup_by_category(lane.timing, base, categories),
-        speedup_by_category_interval=interval_by_category(lane.timing, base, categories), choices=choices, pack=policy is not None,
+        speedup_by_category=speed.speedup_by_category,
+        speedup_by_category_interval=speed.speedup_by_category_interval, choices=choices, pack=policy is not None,
         round_trips=round_trips(lane.timing) if on_workers else None,
     )
 

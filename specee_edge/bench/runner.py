@@ -253,12 +253,13 @@ class PassLog:
 
 
 def run_lanes(prompts: Sequence[Sequence[int]], lanes: Sequence[Lane], rng: np.random.Generator,
-              advance: Callable[[int], None] = lambda n: None, workers: tuple[Endpoint, ...] = ()) -> PassLog:
+              advance: Callable[[int], None] = lambda n: None, *, workers: tuple[Endpoint, ...]) -> PassLog:
     """Every lane answers every prompt whole, one lane after another, in an order `rng` shuffles anew for each
     prompt; `advance` counts answers. workers: the RPC workers the lanes' layers live on (each lane's timing counts
-    the replies its steps waited for). lanes[0] is the reference (vanilla: the answers quality compares with, the
-    tokens the cost lanes decode): where it raises, the run ends with one line (SpecEEError). Any other lane that
-    raises (a peer's bug, a server that died) is dropped, a line in the log, and the others go on."""
+    the replies its steps waited for), required so that no pass, greedy or sampled, leaves them uncounted by
+    omission. lanes[0] is the reference (vanilla: the answers quality compares with, the tokens the cost lanes
+    decode): where it raises, the run ends with one line (SpecEEError). Any other lane that raises (a peer's bug, a
+    server that died) is dropped, a line in the log, and the others go on."""
     watch = Stopwatch(workers)
     log = PassLog()
     for prompt in prompts:
@@ -271,11 +272,15 @@ def run_lanes(prompts: Sequence[Sequence[int]], lanes: Sequence[Lane], rng: np.r
                 lanes[i].answer(prompt, watch)
             except Exception as e:  # noqa: BLE001 - any lane's error drops that lane only; the reference's ends the run
                 if i == 0:
-                    raise SpecEEError(f"the vanilla lane ({LLAMA_CPP_PYTHON}, every lane's reference) failed: "
-                                      f"{one_line(e)}") from None
+                    raise reference_failed(e) from None
                 log.failed[i] = one_line(e)
             advance(1)
     return log
+
+
+def reference_failed(error: BaseException) -> SpecEEError:
+    """The run's end where the vanilla lane, every lane's reference, fails to load or to answer: one line."""
+    return SpecEEError(f"the vanilla lane ({LLAMA_CPP_PYTHON}, every lane's reference) failed: {one_line(error)}")
 
 
 def one_line(error: BaseException) -> str:

@@ -1,0 +1,150 @@
+"""The bench's figures from lanes built by hand (no model): speed-ups per category with their intervals, where a
+category holds two prompts (the bench's own tests run one a category, so their category intervals are all None), and
+the terminal's tables printing every speed-up's interval."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+from rich.console import Console
+from rich.table import Table
+
+from specee_edge.bench.llama_server import PLAIN
+from specee_edge.bench.quality import Agreement, Perplexity
+from specee_edge.bench.report import LLAMA_CPP_PYTHON, BenchResult, _plot_tradeoff, category_ratio, ratio
+from specee_edge.bench.run import (NO_PACK, interval_by_category, lane_speed, lane_stats, mode_result, sampled_result,
+                                   speedup_by_category, tool_lane)
+from specee_edge.bench.runner import SpecEELane
+from specee_edge.engine import TokenRecord
+from specee_edge.runtime.costs import Timing
+
+# as pick_prompts takes them, a category in turn: two prompts of code, two of chat, and math alone
+CATEGORIES = ["code", "chat", "math", "code", "chat"]
+STEPS = 7  # timed steps per answer
+
+
+def timing(seconds: Sequence[float], steps: int = STEPS) -> Timing:
+    """A lane's timing: `steps` steps in each prompt's given seconds."""
+    timed = Timing()
+    for spent in seconds:
+        timed.begin_prompt()
+        timed.add_span(steps, spent)
+    return timed
+
+
+@dataclass
+class TimedLane:
+    """What lane_speed reads of a lane: its timing and its answers."""
+
+    timing: Timing
+    outputs: list[list[int]] = field(default_factory=lambda: [[1] * (STEPS + 1) for _ in CATEGORIES])
+
+
+BASE = timing([0.070, 0.080, 0.070, 0.075, 0.090])
+FAST = timing([0.050, 0.070, 0.080, 0.040, 0.060])
+SLOW = timing([0.085, 0.090, 0.080, 0.085, 0.100])
+
+
+def test_a_category_of_two_prompts_has_an_interval_around_its_speedup():
+    speedups = speedup_by_category(FAST, BASE, CATEGORIES)
+    intervals = interval_by_category(FAST, BASE, CATEGORIES)
+    assert set(intervals) == set(speedups) == {"chat", "code", "math"}
+    for category, prompts in (("code", [0, 3]), ("chat", [1, 4])):
+        low, high = intervals[category]
+        assert low < speedups[category] < high  # its prompts' speed-ups differ: a range, and their pooled one inside
+        # two prompts resampled: the interval runs about from one prompt's speed-up to the other's
+        alone = sorted(FAST.tok_s_on([i]) / BASE.tok_s_on([i]) for i in prompts)
+        assert (low, high) == pytest.approx(alone, rel=1e-9)
+    assert intervals["math"] is None  # one prompt: no interval
+
+
+def test_a_category_speedup_is_printed_with_its_interval_or_as_one_prompt():
+    result = lane_speed(TimedLane(FAST), TimedLane(BASE), CATEGORIES, BASE)
+    code = category_ratio(result, "code")
+    assert code == ratio(result.speedup_by_category["code"], result.speedup_by_category_interval["code"])
+    assert code.splitlines()[1].startswith("[")
+    assert category_ratio(result, "math") == f"{result.speedup_by_category['math']:.3f}x\n(1 prompt)"
+    assert category_ratio(result, "poetry") == "-"
+
+
+class FakeController:
+    def snapshot(self) -> dict:
+        return {"plain_ms": 1.0}
+
+
+def plain_lane(seconds: Sequence[float]) -> SpecEELane:
+    """An exact lane without a pack whose rounds were all plain steps (what its figures are made of is not the
+    point here: its speed-ups are)."""
+    engine = SimpleNamespace(n_layer=4, exact=True, policy=None, controller=FakeController())
+    lane = SpecEELane(NO_PACK, engine, STEPS + 1, timing=timing(seconds))
+    lane.records = [[TokenRecord(id=1) for _ in range(STEPS + 1)] for _ in CATEGORIES]
+    return lane
+
+
+@pytest.fixture(scope="module")
+def result() -> BenchResult:
+    """A run's result from hand-built lanes, every speed-up against llama-server plain (BASE), greedy and sampled;
+    the last prompt's answer loops."""
+    vanilla, vanilla_sampled = TimedLane(timing([0.080, 0.085, 0.075, 0.080, 0.095])), TimedLane(SLOW)
+    lane, sampled = plain_lane([0.050, 0.070, 0.080, 0.040, 0.060]), plain_lane([0.060, 0.065, 0.090, 0.050, 0.070])
+    no_loop = [0, 1, 2, 3]
+    mode = mode_result(lane, vanilla, BASE, None, None, CATEGORIES, no_loop, False, stats=lane_stats(lane, CATEGORIES),
+                       agreement=Agreement(1.0, None, 0, (1.0, 1.0)), ppl=Perplexity(10.0, 10.0), margins=[],
+                       off_replay=0, sampled=sampled_result(sampled, vanilla_sampled, CATEGORIES, BASE, False),
+                       choices=None)
+    peer = TimedLane(timing([0.060, 0.060, 0.070, 0.060, 0.070]))
+    peer_sampled = TimedLane(timing([0.065, 0.060, 0.080, 0.055, 0.075]))
+    return BenchResult(
+        model="model.gguf", pack=NO_PACK, n_layer=4, threads=1, k=0, prompt_set="all", prompts=len(CATEGORIES),
+        tokens=STEPS + 1, vanilla_steps=vanilla.timing.steps, vanilla_tok_s=vanilla.timing.tok_s, oracle_speedup=None,
+        oracle_avg_exit_layer=None, oracle_head_free_speedup=None, oracle_head_free_avg_exit_layer=None,
+        oracle_histogram=[], costs=None, ppl_full=10.0, ppl_tokens=32, default_quality=None, modes=[mode],
+        seconds=1.0, command="", vanilla_sampled_tok_s=vanilla_sampled.timing.tok_s,
+        peer=lane_speed(peer, vanilla, CATEGORIES, BASE, no_loop),
+        peer_sampled=lane_speed(peer_sampled, vanilla_sampled, CATEGORIES, BASE),
+        baseline=PLAIN, baseline_sampled=PLAIN,
+        tools={LLAMA_CPP_PYTHON: tool_lane(vanilla, vanilla, BASE, CATEGORIES, vanilla_sampled, vanilla_sampled, BASE)})
+
+
+def terminal_text(table: Table, width: int = 80) -> str:
+    """The table as an 80-column terminal shows it."""
+    console = Console(width=width, file=io.StringIO(), record=True)
+    console.print(table)
+    return console.export_text()
+
+
+def bracket(interval: tuple[float, float]) -> str:
+    return ratio(1.0, interval).splitlines()[1]
+
+
+def test_the_terminal_prints_each_speedup_with_its_interval(result):
+    """Where the JSON holds an interval, the terminal prints it beside the speed-up: speed and quality's table,
+    the speed-up on answers that do not loop, the peer's on them."""
+    mode, vanilla = result.modes[0], result.tools[LLAMA_CPP_PYTHON]
+    quality = terminal_text(result._quality())  # the table fits 80 columns with each interval whole
+    for interval in (mode.speedup_interval, mode.sampled.speedup_interval, vanilla.speedup_interval,
+                     vanilla.speedup_sampled_interval, result.peer.speedup_interval,
+                     result.peer_sampled.speedup_interval):
+        assert interval is not None and bracket(interval) in quality
+    assert bracket(mode.speedup_no_loop_interval) in terminal_text(result._machinery())
+    peer = ratio(result.peer.speedup_no_loop, result.peer.speedup_no_loop_interval, sep=" ")
+    row = next(line for line in terminal_text(result._run(), width=160).splitlines() if "peer, no loops" in line)
+    assert f"{peer} greedy on the answers that do not loop" in row
+
+
+def test_the_plot_names_the_vanilla_lane_as_the_tables_do(result):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (agreement_ax, ppl_ax) = plt.subplots(1, 2)
+    try:
+        _plot_tradeoff(result, agreement_ax, ppl_ax)
+        assert f"vanilla ({LLAMA_CPP_PYTHON})" in [text.get_text() for text in agreement_ax.get_legend().get_texts()]
+    finally:
+        plt.close(figure)
