@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from specee_edge.engine import Engine
 
 # The options both commands take, declared once.
-ModelArg = Annotated[str | None, typer.Argument(metavar="MODEL", show_default=False,
-                                                help="model GGUF or registry name (default: the default model)")]
+ModelArg = Annotated[str | None, typer.Argument(metavar="MODEL", show_default=False, help=(
+    "model: a GGUF, a registry name, or a name `specee-edge models` lists (default: the default model)"))]
 ModelOpt = Annotated[str | None, typer.Option("-m", "--model", show_default=False, help="the model, instead of the argument")]
 HfRepo = Annotated[str | None, typer.Option("-hf", "-hfr", "--hf-repo", metavar="USER/REPO[:QUANT]", show_default=False, help=(
     "the model from a Hugging Face repository, as llama.cpp's -hf: the quant the tag names, else Q4_K_M, else the"
