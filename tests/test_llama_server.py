@@ -28,6 +28,7 @@ from specee_edge.cli import app
 from specee_edge.default_model import default_model_path
 from specee_edge.engine import GREEDY
 from specee_edge.errors import SpecEEError
+from specee_edge.runtime import Model
 from tests.conftest import LLAMA_SERVER_MISSING, tiny_model_path
 
 PROMPTS, TOKENS = 2, 8
@@ -174,6 +175,22 @@ def test_a_vanilla_lane_that_does_not_load_ends_the_run_with_one_line(monkeypatc
                               "greedy", bench_run.Silent())
     assert str(error.value) == (f"the vanilla lane ({LLAMA_CPP_PYTHON}, every lane's reference) failed: "
                                 "ValueError: Failed to load model from file: broken.gguf")
+
+
+def test_a_peer_lane_that_does_not_load_is_a_dropped_lane(monkeypatch, tiny_dir):
+    """The peer (llama-cpp-python's prompt lookup) is an optional lane: where its Llama does not load, the pass runs
+    without it and says so in one line (it was a traceback)."""
+    def broken_peer(*args, **kwargs):
+        raise ValueError("Failed to create llama_context\nsecond line")
+
+    monkeypatch.setattr(bench_run, "peer_lane", broken_peer)
+    path = tiny_model_path(tiny_dir, "llama")
+    config = BenchConfig(model=path, threads=1, tokens=4)
+    model, dropped = Model(path), []
+    result = bench_run.decode_pass(config, [[0, 1, 2]], model, {}, [], True, GREEDY, np.random.default_rng(0),
+                                   dropped, "greedy", bench_run.Silent())
+    assert result.peer is None and len(result.vanilla.outputs) == 1
+    assert dropped == [f"{PeerLane.name}, greedy: ValueError: Failed to create llama_context"]
 
 
 def test_prompt_lookup_lane_takes_a_prompt_longer_than_its_batch(tiny_dir):

@@ -23,8 +23,8 @@ from specee_edge.bench.report import (LLAMA_CPP_PYTHON, TIME_PARTS, BenchResult,
                                       SampledResult)
 from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, DRAFT, PLAIN, LlamaServer, LlamaServerError, ServerLane,
                                             ServerSetup, lane_args)
-from specee_edge.bench.runner import (ContextLane, Lane, PeerLane, SpecEELane, VanillaLane, reference_failed,
-                                      run_lanes)
+from specee_edge.bench.runner import (ContextLane, Lane, PeerLane, SpecEELane, VanillaLane, one_line,
+                                      reference_failed, run_lanes)
 from specee_edge.bootstrap import speedup_interval
 from specee_edge.data.prompts import Prompt, bench_prompts, heldout_text
 from specee_edge.engine import AUTO, DEFAULT_KV_MODE, Engine, EngineConfig, GenerationStats, TokenRecord
@@ -236,7 +236,11 @@ def decode_pass(config: BenchConfig, prompts: Sequence[Sequence[int]], model: Mo
     vanilla = VanillaLane(llm, config.tokens, model.is_eog, sampling)
     context = ContextLane(ctx, config.tokens, model.is_eog, sampling)
     specee = {i: SpecEELane(mode, engine, config.tokens, sampling) for i, (mode, engine) in engines.items()}
-    peer = peer_lane(config, model.is_eog, sampling) if with_peer else None
+    peer = None
+    try:
+        peer = peer_lane(config, model.is_eog, sampling) if with_peer else None
+    except Exception as e:  # noqa: BLE001 - an optional lane: llama-cpp-python raises ValueError where it does not load
+        dropped.append(f"{PeerLane.name}{suffix}: {one_line(e)}")
     try:
         with ExitStack() as stack:
             servers = open_servers(config, names, stack, dropped, suffix if what != "greedy" else "")
