@@ -113,15 +113,6 @@ def pulled_path(entry: RegistryEntry, models: Path | None = None) -> Path | None
     return None
 
 
-@dataclass(frozen=True)
-class ResolvedModel:
-    """A model argument resolved: the file to load, and the one name messages and the server give it."""
-
-    path: Path
-    name: str  # a registry model's registry name, wherever its file was found or however it was named; else the
-    # argument as given: a store's name (ollama:qwen2.5:0.5b, not its blob's path), a path
-
-
 def registry_name(path: Path, *, registry: Path | None = None, models: Path | None = None) -> str | None:
     """The registry name of the model file at ``path``, in the cache or inside its installed wheel (where it lies,
     not where a link to it does: a link elsewhere is a model of the user's, with packs of its own)."""
@@ -131,40 +122,6 @@ def registry_name(path: Path, *, registry: Path | None = None, models: Path | No
         if any(place is not None and os.path.abspath(place) == target for place in places):
             return entry.name
     return None
-
-
-def resolve_model(name_or_path: str | Path | None, *, registry: Path | None = None,
-                  models: Path | None = None) -> ResolvedModel:
-    """A model argument as commands accept it: None (the default model), a GGUF path, a name `specee-edge models`
-    shows for another tool's store (`specee_edge.stores`), or a registry name.
-
-    A registry name resolves only once pulled; nothing is downloaded here.
-    """
-    path = default_model_path() if name_or_path is None else locate_model(str(name_or_path), registry, models)
-    name = registry_name(path, registry=registry, models=models)
-    return ResolvedModel(path, name or str(name_or_path if name_or_path is not None else path))
-
-
-def locate_model(text: str, registry: Path | None, models: Path | None) -> Path:
-    """The file a model argument (a GGUF path, a store's name or a registry name) names."""
-    from specee_edge.stores import is_store_name, resolve_stored  # stores imports this module
-
-    path = Path(text).expanduser()
-    if path.is_file():
-        return path
-    if is_store_name(text):
-        return resolve_stored(text)
-    if path.suffix == ".gguf" or "/" in text or os.sep in text:
-        raise ModelLoadError(f"no such model file: {text}")
-    entries = load_registry(registry)
-    if text not in entries:
-        raise UnknownModelError(
-            f"{text!r} is neither a model file nor a registry name (the registry has {', '.join(entries)})"
-        )
-    pulled = pulled_path(entries[text], models)
-    if pulled is None:
-        raise ModelNotPulledError(f"model {text} is not pulled yet: run `specee-edge pull {text}`")
-    return pulled
 
 
 def pull(

@@ -27,7 +27,8 @@ from pathlib import Path
 from specee_edge.errors import ModelLoadError
 from specee_edge.hf import SPLIT, cache_dirs, is_first_part, is_model_gguf, main_snapshot
 from specee_edge.pack.locate import cached_pack_path, pack_beside
-from specee_edge.pull import models_dir, pulled_path
+from specee_edge.default_model import default_model_path
+from specee_edge.pull import ModelNotPulledError, UnknownModelError, models_dir, pulled_path, registry_name
 from specee_edge.registry import load_registry
 
 OLLAMA_HOST = "registry.ollama.ai"
@@ -263,3 +264,44 @@ def split_size(path: Path) -> int:
     count = int(split["count"])
     parts = [path.with_name(f"{split['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
     return sum(p.stat().st_size for p in parts if p.is_file())
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model argument resolved: the file to load, and the one name messages and the server give it."""
+
+    path: Path
+    name: str  # a registry model's registry name, wherever its file was found or however it was named; else the
+    # argument as given: a store's name (ollama:qwen2.5:0.5b, not its blob's path), a path
+
+
+def resolve_model(name_or_path: str | Path | None, *, registry: Path | None = None,
+                  models: Path | None = None) -> ResolvedModel:
+    """A model argument as commands accept it: None (the default model), a GGUF path, a name `specee-edge models`
+    shows for another tool's store, or a registry name.
+
+    A registry name resolves only once pulled; nothing is downloaded here.
+    """
+    path = default_model_path() if name_or_path is None else locate_model(str(name_or_path), registry, models)
+    name = registry_name(path, registry=registry, models=models)
+    return ResolvedModel(path, name or str(name_or_path if name_or_path is not None else path))
+
+
+def locate_model(text: str, registry: Path | None, models: Path | None) -> Path:
+    """The file a model argument (a GGUF path, a store's name or a registry name) names."""
+    path = Path(text).expanduser()
+    if path.is_file():
+        return path
+    if is_store_name(text):
+        return resolve_stored(text)
+    if path.suffix == ".gguf" or "/" in text or os.sep in text:
+        raise ModelLoadError(f"no such model file: {text}")
+    entries = load_registry(registry)
+    if text not in entries:
+        raise UnknownModelError(
+            f"{text!r} is neither a model file nor a registry name (the registry has {', '.join(entries)})"
+        )
+    pulled = pulled_path(entries[text], models)
+    if pulled is None:
+        raise ModelNotPulledError(f"model {text} is not pulled yet: run `specee-edge pull {text}`")
+    return pulled

@@ -282,7 +282,7 @@ def test_an_hf_model_is_named_as_the_models_list_names_it(hub):
     """-hf hands its model on by its hf: name, so chat's messages give a name that loads it again, not the path
     of its file in the cache."""
     from specee_edge.cli.chat import pick_model
-    from specee_edge.pull import ResolvedModel, resolve_model
+    from specee_edge.stores import ResolvedModel, resolve_model
 
     name = f"hf:{REPO}/tiny-Q8_0.gguf"
     assert pick_model(None, None, f"{REPO}:Q8_0") == name

@@ -16,7 +16,6 @@ from typer.testing import CliRunner
 import specee_edge.pack.io as pack_io
 from specee_edge.cli import app
 from specee_edge.default_model import default_model_path
-from specee_edge.engine.controller import ROUND_MAX_DRAFTS
 from specee_edge.errors import SpecEEError
 from specee_edge.exits import ExitKind
 from specee_edge.gguf_index import GGUFIndex
@@ -37,6 +36,7 @@ from specee_edge.pack import (
     write_pack,
 )
 from specee_edge.pack.convert import convert
+from specee_edge.pack.format import ROUND_MAX_DRAFTS
 from specee_edge.pack.safetensors import write_safetensors
 from specee_edge.pack.target import FINGERPRINT_DATA_BYTES
 from specee_edge.predictor import MLPPredictor

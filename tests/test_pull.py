@@ -28,11 +28,10 @@ from specee_edge.pull import (
     UnknownModelError,
     models_dir,
     pull,
-    ResolvedModel,
     pulled_path,
-    resolve_model,
 )
 from specee_edge.registry import SHIPPED_REGISTRY, RegistryError, load_registry
+from specee_edge.stores import ResolvedModel, resolve_model
 
 PARTS = [bytes([i]) * (1000 + 37 * i) for i in range(1, 3)]  # two small parts, distinct contents
 MODEL = b"".join(PARTS)

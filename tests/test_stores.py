@@ -17,7 +17,7 @@ import pytest
 from specee_edge.default_model import default_model_path
 from specee_edge.errors import ModelLoadError
 from specee_edge.pack.locate import cached_pack_path, find_pack, pack_beside
-from specee_edge.pull import ResolvedModel, resolve_model
+from specee_edge.stores import ResolvedModel, resolve_model
 from specee_edge import stores as stores_module
 from specee_edge.stores import in_store, llama_cpp_dir, pack_output, resolve_stored, stored_models
 from tests.conftest import SHIPPED_PACK

@@ -12,7 +12,7 @@ from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
 from specee_edge.draft.lookup import DRAFT_MATCH_N, PromptLookup, lookup_drafts
-from specee_edge.engine.controller import ROUND_MAX_DRAFTS
+from specee_edge.pack.format import ROUND_MAX_DRAFTS
 from specee_edge.engine.engine import ends_round, row_source
 from specee_edge.engine.records import TokenSource
 

@@ -114,7 +114,7 @@ def bench(
     from specee_edge.bench.llama_server import LlamaServerError, find_binary, has_terminal, parse_spec_types
     from specee_edge.engine import AUTO, DEFAULT_KV_MODE
     from specee_edge.threads import default_threads
-    from specee_edge.pull import resolve_model
+    from specee_edge.stores import resolve_model
     from specee_edge.runtime import KV_MODES
 
     mode = kv_mode or DEFAULT_KV_MODE

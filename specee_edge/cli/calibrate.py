@@ -51,7 +51,7 @@ def calibrate(
     from specee_edge.calibrate import CalibrateConfig
     from specee_edge.calibrate import calibrate as run_calibration
     from specee_edge.calibrate.budget import DEFAULT_SIZE
-    from specee_edge.pull import resolve_model
+    from specee_edge.stores import resolve_model
     from specee_edge.stores import pack_output
     from specee_edge.threads import default_threads
 

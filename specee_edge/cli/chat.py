@@ -132,7 +132,7 @@ def load_engine(opts: EngineOptions, *, strict_pack: bool) -> tuple[Engine, str,
     from specee_edge.engine import AUTO, Engine, EngineConfig
     from specee_edge.pack import PackLevelError
     from specee_edge.threads import default_threads
-    from specee_edge.pull import resolve_model
+    from specee_edge.stores import resolve_model
 
     model = resolve_model(opts.model)
     model_path, label = model.path, model.name
@@ -190,7 +190,7 @@ def sampling_params(temp: float, top_k: int, top_p: float, min_p: float, repeat_
 def pick_model(model: str | None, model_opt: str | None, hf_repo: str | None = None,
                hf_file: str | None = None) -> str | None:
     """The model the command line names: the argument, -m, or -hf (downloaded here, then named as `specee-edge
-    models` shows it: hf:USER/REPO/FILE) - at most one of them. `specee_edge.pull.resolve_model` finds its file."""
+    models` shows it: hf:USER/REPO/FILE) - at most one of them. `specee_edge.stores.resolve_model` finds its file."""
     if model is not None and model_opt is not None and model != model_opt:
         raise SpecEEError(f"two models given: {model} and -m {model_opt}")
     named = model_opt or model

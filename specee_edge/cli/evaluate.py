@@ -59,7 +59,7 @@ def eval_command(
     from specee_edge.engine import AUTO, GREEDY, SamplingParams
     from specee_edge.engine.guard import parse_guard
     from specee_edge.eval.run import EvalConfig, parse_problems, parse_tasks, run_eval
-    from specee_edge.pull import resolve_model
+    from specee_edge.stores import resolve_model
     from specee_edge.threads import default_threads
 
     try:

@@ -9,11 +9,10 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from specee_edge.engine.controller import ROUND_MAX_DRAFTS
 from specee_edge.errors import RuntimeMissingError
 from specee_edge.gguf_index import GGUFIndex
 from specee_edge.exits import ExitKind
-from specee_edge.pack.format import PACK_ARCH, Pack, QualityLevel, quality_name
+from specee_edge.pack.format import PACK_ARCH, ROUND_MAX_DRAFTS, Pack, QualityLevel, quality_name
 from specee_edge.pack.io import read_pack
 from specee_edge.pack.locate import find_pack, pack_origin
 from specee_edge.pack.task_figures import figures_path, read_figures

@@ -113,5 +113,5 @@ def _listen(host: str, port: int) -> socket.socket:
 def served_model_id(alias: str | None, hf_repo: str | None, label: str) -> str:
     """The model's name to clients, as llama-server picks it: --alias, else the -hf repository as given
     (USER/REPO[:QUANT], never the cache's path), else the model as the command line named it (`label`, from
-    `specee_edge.pull.resolve_model`: a store's name such as ollama:qwen2.5:0.5b, never its blob's path)."""
+    `specee_edge.stores.resolve_model`: a store's name such as ollama:qwen2.5:0.5b, never its blob's path)."""
     return alias.strip() if alias else hf_repo or label

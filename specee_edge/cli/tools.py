@@ -41,7 +41,7 @@ def info(model: Annotated[str, typer.Argument(help="a model GGUF, a name `specee
     """Summarize a model GGUF or a pack: architecture, layers, sizes, schedule, predictors, provenance."""
     from specee_edge.cli.chat import pick_model
     from specee_edge.cli.info import summarize
-    from specee_edge.pull import resolve_model
+    from specee_edge.stores import resolve_model
 
     try:
         console.print(summarize(resolve_model(pick_model(model, None)).path))

@@ -97,7 +97,6 @@ MAX_EXPLORE_WAIT = 256
 EXPLORE_SHARE = 0.02        # of the decoding time, what explorations may spend beyond the choices they displace
 EXPLORE_CARRY = 8.0         # plain steps' worth of exploration budget a request hands to the next at most
 REPRICE_SHARE = 0.02        # a kept drafting price holds while the plain step's cost moves less than this share
-ROUND_MAX_DRAFTS = 8        # the most drafts one round checks by default (llama.cpp's --draft-max; the plan picks how many)
 STREAK_JITTER = 0.1         # a plain streak lasts while no step costs more than this share above the plain step's median
 
 

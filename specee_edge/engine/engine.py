@@ -29,8 +29,7 @@ from threadpoolctl import threadpool_limits
 from specee_edge.chat_templates import NAMED_TEMPLATES, named_template
 from specee_edge.default_model import default_model_path
 from specee_edge.draft.lookup import DRAFT_MATCH_N, LOOKUP_MAX_N, PromptLookup, lookup_drafts
-from specee_edge.engine.controller import (ROUND_MAX_DRAFTS, STREAK_PLAN, Choice, Controller, ExitPrior, Outcome, Plan,
-                                           PlainStreak)
+from specee_edge.engine.controller import STREAK_PLAN, Choice, Controller, ExitPrior, Outcome, Plan, PlainStreak
 from specee_edge.engine.exit import ExitPolicy, find_pack
 from specee_edge.engine.guard import NO_GUARD, ExitGuard, candidate_margin, continues_word
 from specee_edge.engine.records import GenerationStats, Round, TokenRecord, TokenSource
@@ -38,7 +37,7 @@ from specee_edge.engine.sampling import Sampler, SamplingParams, masks_every_tok
 from specee_edge.engine.stops import StopMatcher
 from specee_edge.errors import ContextFullError, DecodeCancelled, SpecEEError, UnsupportedModelError
 from specee_edge.exits import ExitKind
-from specee_edge.pack.format import MAX_DRAFT
+from specee_edge.pack.format import MAX_DRAFT, ROUND_MAX_DRAFTS
 from specee_edge.registry import entry_for_file
 from specee_edge.runtime import Context, Model
 from specee_edge.runtime.context import StepInfo

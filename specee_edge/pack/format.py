@@ -42,6 +42,7 @@ LEVEL_FIELDS = ("thresholds", "kinds", "offline", "exit_rate", "agreement", "lay
 # exact mode is the level of quality 1: its exits draft tokens that the full model then verifies in batches
 EXACT_QUALITY = 1.0
 MAX_DRAFT = 16  # drafts in one verification batch (the runtime keeps up to 64 rows for the next draft)
+ROUND_MAX_DRAFTS = 8  # exact mode: the most drafts a round checks by default (llama.cpp's --draft-max); the plan picks how many
 # whole answers: a level keeps at least this share of held-out greedy answers (to code prompts, for models
 # that chat) identical to the full model's, or says that it does not (`chat` banner, `generate`, `info`)
 IDENTICAL_FLOOR = 0.75
