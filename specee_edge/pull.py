@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specee_edge.build_runtime import cache_root, pip_command
-from specee_edge.default_model import default_model_path
 from specee_edge.errors import ModelLoadError, SpecEEError
 from specee_edge.registry import RegistryEntry, WheelFile, load_registry
 

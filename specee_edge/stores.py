@@ -24,10 +24,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from specee_edge.default_model import default_model_path
 from specee_edge.errors import ModelLoadError
 from specee_edge.hf import SPLIT, cache_dirs, is_first_part, is_model_gguf, main_snapshot
 from specee_edge.pack.locate import cached_pack_path, pack_beside
-from specee_edge.default_model import default_model_path
 from specee_edge.pull import ModelNotPulledError, UnknownModelError, models_dir, pulled_path, registry_name
 from specee_edge.registry import load_registry
 

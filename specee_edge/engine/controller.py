@@ -308,6 +308,10 @@ class RoundCosts:
     drafting: list[tuple[float, int, float]]
     not_drafting: float
 
+    def drafting_ms(self) -> float:
+        """What the round costs when it drafts, on average over its ways."""
+        return sum(chance * ms for chance, _, ms in self.drafting)
+
     def worst_ms(self) -> float:
         return max(self.not_drafting, *(ms for _, _, ms in self.drafting))
 
@@ -460,9 +464,8 @@ class Controller:
             expected.append(expected[-1] + term)
         prices = [float("inf")]
         for round_costs in self._round_costs(choice, max_drafts, batch)[1:]:
-            drafting = sum(chance * ms for chance, _, ms in round_costs.drafting)
             tokens = sum(chance * expected[k] for chance, k, _ in round_costs.drafting)
-            prices.append((q * drafting + (1 - q) * round_costs.not_drafting) / (q * tokens + (1 - q)))
+            prices.append((q * round_costs.drafting_ms() + (1 - q) * round_costs.not_drafting) / (q * tokens + (1 - q)))
         return prices
 
     def _held_acceptance(self, choice: Choice, greedy: bool, match: int) -> float:
@@ -705,7 +708,7 @@ class Controller:
             return None
         batch = self._batches(Choice.LOOKUP).curve(lookup_drafts + 1, plain)
         costs = self._round_costs(Choice.LOOKUP, lookup_drafts, batch)
-        return PlainStreak(rounds, ceiling, (0.0, *(c.drafting[0][2] / ceiling for c in costs[1:])))  # a lookup round goes one way
+        return PlainStreak(rounds, ceiling, (0.0, *(c.drafting_ms() / ceiling for c in costs[1:])))
 
     def _unexplored_rounds(self, choice: Choice, ceiling_ms: float) -> int:
         """How many rounds to come cannot explore `choice` while no step costs more than `ceiling_ms`: it is explored
