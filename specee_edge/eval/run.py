@@ -23,8 +23,9 @@ from specee_edge.engine.sampling import SamplingParams
 from specee_edge.errors import SpecEEError
 from specee_edge.eval import humaneval
 from specee_edge.eval.report import EvalResult, LevelResult, Sample, TaskResult
-from specee_edge.eval.sandbox import Limits, limits, run_program
-from specee_edge.eval.score import mean_log_likelihoods, paired_difference, paired_ratio
+from specee_edge.eval.sandbox import Limits, limits
+from specee_edge.eval.score import (mean_log_likelihoods, paired_difference, paired_proportion_difference,
+                                    paired_ratio)
 from specee_edge.pack import EXACT_QUALITY, parse_quality, quality_name
 from specee_edge.pack.task_figures import TaskFigures, store_figures
 from specee_edge.runtime import Context
@@ -77,6 +78,7 @@ class Answer:
     decode_s: float  # the engine's decode time: the prompt (and the token drawn from it) excluded
     n_decode: int
     records: list[TokenRecord]  # exact mode's say which rows each verification batch held (batched_replay)
+    turn: int = 0               # its place among its problem's answers, which ran in a shuffled order
 
 
 def parse_tasks(spec: str) -> list[str]:
@@ -196,8 +198,9 @@ def decode(engine: Engine, prompt: list[int], config: EvalConfig, index: int) ->
 
 def run_task(engine: Engine, task: str, items: Sequence[Item], levels: Sequence[Level], config: EvalConfig,
              reporter: Reporter) -> TaskResult:
-    """Each problem's answers at every level in turns (a change in machine speed hits them alike), each from an
-    empty cache; then the scores."""
+    """Each problem's answers at every level in turns, in an order shuffled anew for each problem (a change in
+    machine speed, or a level that leaves the machine warmer, hits them alike), each from an empty cache; then the
+    scores."""
     prompts = [engine.prompt_tokens(item.message) for item in items]
     longest = max(map(len, prompts)) + config.tokens
     if longest > ENGINE_CTX:
@@ -205,11 +208,12 @@ def run_task(engine: Engine, task: str, items: Sequence[Item], levels: Sequence[
     names = [level.name for level in levels]
     answers: dict[str, list[Answer]] = {name: [] for name in names}
     advance = reporter.task(f"{task}: decoding", len(items) * len(levels))
+    order = np.random.default_rng(config.sampling.seed or 0)
     for i, prompt in enumerate(prompts):
-        for level in levels:
+        for turn, level in enumerate(levels[int(j)] for j in order.permutation(len(levels))):
             use_level(engine, level.setting, level.guard)
             engine.reset()
-            answers[level.name].append(decode(engine, prompt, config, i))
+            answers[level.name].append(dataclasses.replace(decode(engine, prompt, config, i), turn=turn))
             advance(1)
     engine.reset()
 
@@ -241,7 +245,8 @@ def run_task(engine: Engine, task: str, items: Sequence[Item], levels: Sequence[
     samples = [Sample(task=task, problem=item.id, level=name, reply=answers[name][i].text,
                       tokens=len(answers[name][i].tokens), decode_s=answers[name][i].decode_s,
                       log_likelihood=log_likelihoods[name][i], repetition=repetition(answers[name][i].tokens),
-                      code=humaneval.extract_code(answers[name][i].text) if task == HUMANEVAL else None,
+                      turn=answers[name][i].turn,
+                      code=code_of(item, answers[name][i]) if task == HUMANEVAL else None,
                       passed=outcomes[name][i].passed if outcomes else None,
                       outcome=outcomes[name][i].reason if outcomes else None)
                for i, item in enumerate(items) for name in names]
@@ -251,17 +256,22 @@ def run_task(engine: Engine, task: str, items: Sequence[Item], levels: Sequence[
                       levels=results, limits=applied.describe() if applied else None, samples=samples)
 
 
-def test_answers(items: Sequence[Item], answers: dict[str, list[Answer]], applied: Limits, advance) -> dict[str, list]:
-    """Each answer's code run against its problem's tests; answers whose code is the same run once."""
-    seen: dict[tuple[str, str], object] = {}
-    outcomes: dict[str, list] = {}
+def code_of(item: Item, answer: Answer) -> str:
+    return humaneval.extract_code(answer.text, item.problem.entry_point)
+
+
+def test_answers(items: Sequence[Item], answers: dict[str, list[Answer]], applied: Limits,
+                 advance) -> dict[str, list[humaneval.Outcome]]:
+    """Each answer's code graded on its problem's tests; answers whose code is the same run once."""
+    seen: dict[tuple[str, str], humaneval.Outcome] = {}
+    outcomes: dict[str, list[humaneval.Outcome]] = {}
     for name, level_answers in answers.items():
         outcomes[name] = []
         for item, answer in zip(items, level_answers):
-            code = humaneval.extract_code(answer.text)
+            code = code_of(item, answer)
             key = (item.id, code)
             if key not in seen:
-                seen[key] = run_program(humaneval.program(item.problem, code), applied)
+                seen[key] = humaneval.grade(item.problem, code, applied)
             outcomes[name].append(seen[key])
             advance(1)
     return outcomes
@@ -282,17 +292,17 @@ def level_result(name: str, samples: Sequence[Sample], answers: dict[str, list[A
         repetition=float(repeated.mean()), looping=int((repeated >= LOOP_SHARE).sum()),
         identical=float(np.mean([a.tokens == p.tokens for a, p in zip(mine, plain)])))
     if outcomes:
-        passed = np.array([o.passed for o in outcomes[name]], dtype=float)
+        passed = np.array([o.passed for o in outcomes[name]])
         result.pass_at_1 = float(passed.mean())
     if name == PLAIN:
         return result
     result.time_ratio, result.time_ratio_interval = paired_ratio(decode_s, [a.decode_s for a in plain])
     result.log_likelihood_gap, result.log_likelihood_gap_interval = paired_difference(ll, ll_plain)
     if outcomes:
-        plain_passed = np.array([o.passed for o in outcomes[PLAIN]], dtype=float)
-        result.pass_at_1_diff, result.pass_at_1_diff_interval = paired_difference(passed, plain_passed)
-        result.only_level_passed = int(((passed == 1) & (plain_passed == 0)).sum())
-        result.only_plain_passed = int(((passed == 0) & (plain_passed == 1)).sum())
+        plain_passed = np.array([o.passed for o in outcomes[PLAIN]])
+        result.pass_at_1_diff, result.pass_at_1_diff_interval = paired_proportion_difference(passed, plain_passed)
+        result.only_level_passed = int((passed & ~plain_passed).sum())
+        result.only_plain_passed = int((~passed & plain_passed).sum())
     if margins is not None:
         result.exact = True
         result.divergences = len(margins)
