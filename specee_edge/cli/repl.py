@@ -19,6 +19,7 @@ from rich.text import Text
 from specee_edge.cli.render import TokenPrinter, depth_legend, engine_info, exit_setting, footer, level_warning, stats_table
 from specee_edge.engine import Engine, GenerationStats, SamplingParams
 from specee_edge.errors import ContextFullError, SpecEEError
+from specee_edge.grammar import Grammar
 from specee_edge.pack import parse_quality, quality_name
 
 try:  # arrow-key editing and history; absent on some platforms (the REPL works without it)
@@ -67,6 +68,7 @@ class ReplSettings:
     chat_template: str | None = None
     verbose: bool = False
     color_exits: bool = False
+    grammar: Grammar | None = None  # --grammar, --grammar-file, -j: every reply follows it
 
 
 def parse_switch(value: str) -> bool:
@@ -185,7 +187,7 @@ class Repl:
         interrupted, error = False, None
         try:
             stream = self.engine.stream_chat(self.conversation(), chat_template=s.chat_template,
-                                             max_tokens=max_tokens, sampling=s.sampling)
+                                             max_tokens=max_tokens, sampling=s.sampling, grammar=s.grammar)
             try:
                 for record in stream:
                     pieces.append(record.text)

@@ -29,6 +29,7 @@ from threadpoolctl import threadpool_limits
 from specee_edge.chat_templates import NAMED_TEMPLATES, named_template
 from specee_edge.default_model import default_model_path
 from specee_edge.draft.lookup import DRAFT_MATCH_N, LOOKUP_MAX_N, PromptLookup, lookup_drafts
+from specee_edge.engine.constraint import GrammarConstraint
 from specee_edge.engine.controller import STREAK_PLAN, Choice, Controller, ExitPrior, Outcome, Plan, PlainStreak
 from specee_edge.engine.exit import ExitPolicy, find_pack
 from specee_edge.engine.guard import NO_GUARD, ExitGuard, candidate_margin, continues_word
@@ -37,6 +38,7 @@ from specee_edge.engine.sampling import Sampler, SamplingParams, masks_every_tok
 from specee_edge.engine.stops import StopMatcher
 from specee_edge.errors import ContextFullError, DecodeCancelled, SpecEEError, UnsupportedModelError
 from specee_edge.exits import ExitKind
+from specee_edge.grammar import Grammar
 from specee_edge.pack.format import MAX_DRAFT, ROUND_MAX_DRAFTS
 from specee_edge.registry import entry_for_file
 from specee_edge.runtime import Context, Model
@@ -285,19 +287,24 @@ class Engine:
 
     def _draw(self, draw: Sampler) -> int:
         """The next token from the last step's logits: read in place by llama.cpp's sampler, unless an exit's
-        temperature rescales them, or the request's bias bans every candidate of a head-free exit (then from
-        the exit layer's full head)."""
+        temperature rescales them, or the request's bias or grammar leaves none of a head-free exit's candidates
+        (then from the exit layer's full head)."""
         if draw.params.logit_bias and masks_every_token(self.ctx.logits(), draw.params):  # no view without a bias
+            return draw(self.full_logits())
+        if draw.constraint is not None and self._head_free() and not draw.allows_any(self.ctx.logits()):
             return draw(self.full_logits())
         if self.temperature() != 1.0:
             return draw(self.logits())
         return draw.from_context(self.ctx.handle)
 
+    def _head_free(self) -> bool:
+        """The last step exited head-free: only its candidates' logits are finite."""
+        return self._last_step is not None and self._last_step.exit_kind == ExitKind.HEAD_FREE
+
     def full_logits(self) -> np.ndarray:
         """logits(), except after a head-free exit: the exit layer's full-vocabulary logits, computed now
         (the step skipped them; what perplexity needs, not what decoding pays), divided alike."""
-        step = self._last_step
-        if step is None or step.exit_kind != ExitKind.HEAD_FREE:
+        if not self._head_free():
             return self.logits()
         return self.ctx.exit_head_logits() / np.float32(self.temperature())
 
@@ -323,11 +330,13 @@ class Engine:
             )
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams | None = None,
-               stop: Sequence[str] = (), logprobs: int | None = None,
+               stop: Sequence[str] = (), logprobs: int | None = None, grammar: Grammar | None = None,
                cancel: Callable[[], bool] | None = None) -> Iterator[TokenRecord]:
         """Generate up to max_tokens after `prompt`, one record per token; self.stats follows along.
 
         logprobs: each record gets its token's log-probability and the `logprobs` most likely tokens'.
+        grammar: every emitted token is one the grammar allows (drafts that it refuses are not checked; a lossy
+        level's exit whose candidates it refuses all draws from the exit layer's full head).
         cancel: asked between the prompt's batches; when it answers True the stream ends with no token.
         Closing the generator early (or Ctrl+C) leaves the engine consistent and usable. numpy's BLAS
         runs single-threaded meanwhile: its spinning worker threads would fight llama.cpp's OpenMP
@@ -338,12 +347,14 @@ class Engine:
         self.check_prompt(tokens)
         if max_tokens < 1:
             raise SpecEEError(f"max_tokens must be at least 1, got {max_tokens}")
-        draw = Sampler(sampling, self.model.info.n_vocab, tokens, logprobs)
+        constraint = GrammarConstraint(self.model, grammar) if grammar is not None else None
+        draw = Sampler(sampling, self.model.info.n_vocab, tokens, logprobs, constraint)
         self.controller.begin_request()
         try:
             with threadpool_limits(limits=1, user_api="blas"):
                 yield from self._stream(tokens, max_tokens, draw, stop, cancel)
         finally:
+            self.stats.masked_draws = draw.masked_draws
             draw.close()
 
     def _stream(self, tokens: list[int], max_tokens: int, draw: Sampler, stop: Sequence[str],
@@ -614,6 +625,9 @@ class Engine:
         its draft's step's cost, and an accepted draft's the layer its draft left at (draft_layer); the steps
         past the first rejected draft add their cost to the correction."""
         t0 = time.perf_counter()
+        # drafts past the first the grammar refuses cannot be accepted: their rows are not paid for (one stays, as
+        # below, so that the batch is a verification)
+        drafts = drafts[: max(1, draw.allowed_drafts(drafts))]
         # every draft gets its row, an EOS one too: dropping it could leave a batch of one row, which llama_decode
         # runs as a single-token step that may exit early, not as a verification
         batch = [token, *drafts]
@@ -654,8 +668,9 @@ class Engine:
 
     # --- chat ------------------------------------------------------------------------------
 
-    def format_chat(self, messages: list[dict], chat_template: str | None = None) -> str:
-        """`messages` through `chat_template`, else the GGUF's template, else its registry entry's."""
+    def format_chat(self, messages: list[dict], chat_template: str | None = None, tools: list[dict] | None = None) -> str:
+        """`messages` through `chat_template`, else the GGUF's template, else its registry entry's; `tools` (OpenAI's
+        function tools) rendered by the template where given."""
         template = chat_template or self.chat_template
         if not template:
             raise SpecEEError(f"{self.model.info.path.name} has no chat template: pass --chat-template"
@@ -663,7 +678,7 @@ class Engine:
         vocab_piece = lambda key: self.model.token_to_piece(int(self.model.meta(key) or 0), special=True).decode(errors="replace")
         formatter = Jinja2ChatFormatter(template, eos_token=vocab_piece("tokenizer.ggml.eos_token_id"),
                                         bos_token=vocab_piece("tokenizer.ggml.bos_token_id"))
-        return formatter(messages=messages).prompt
+        return formatter(messages=messages, **({"tools": tools} if tools else {})).prompt
 
     def format_prompt(self, text: str) -> str:
         """A prompt as bench and calibration present it: one user turn, or plain text for a base model."""

@@ -91,6 +91,7 @@ class GenerationStats:
     explore_rounds: int = 0       # exact mode: rounds the controller took to measure a choice again
     explore_ms: float = 0.0       # ... what they cost beyond the choices they displaced
     controller: dict = field(default_factory=dict)  # exact mode: the costs and acceptance measured on this machine
+    masked_draws: int = 0         # with a grammar: draws it refused, drawn again over the vocabulary it allows
     finish_reason: str = ""       # "stop" (EOS or a stop string), "length", "interrupted"
     exit_layers: list[int | None] = field(default_factory=list)
     time_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("draft", "forward", "predictor", "verify", "batch", "sample"), 0.0))

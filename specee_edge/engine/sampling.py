@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import llama_cpp
 import numpy as np
 
+from specee_edge.engine.constraint import GrammarConstraint, token_array
 from specee_edge.errors import SpecEEError
 from specee_edge.runtime.context import LogitsViews
 from specee_edge.runtime.model import check_token_ids
@@ -120,11 +121,6 @@ def token_logprobs(logits: np.ndarray, token: int, n: int) -> TokenLogprobs:
     return TokenLogprobs(float(log_probs[token]), [(int(t), float(log_probs[t])) for t in top])
 
 
-# llama_token_data as numpy lays it out, to hand llama.cpp an array of candidates without a copy per element
-TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
-assert TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
-
-
 def sampler_chain(params: SamplingParams, n_vocab: int) -> llama_cpp.llama_sampler_p:
     """llama.cpp's chain for `params`, in the order of llama-cpp-python's Llama (a seed of None: a random one)."""
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
@@ -152,17 +148,23 @@ class Sampler:
     """One request's draws, through llama.cpp's sampler chain: what llama-cpp-python's Llama samples with, so a
     seed draws the same tokens from the same logits. The chain accepts each drawn token, which its penalties
     look back on after the prompt; tokens that are never drawn (exact mode's drafts) never enter it.
-    Greedy decoding with no bias and no penalty needs no chain: an argmax."""
+    Greedy decoding with no bias and no penalty needs no chain: an argmax.
+
+    With a grammar, as llama.cpp's own sampler does it: the token drawn from the whole distribution is kept if the
+    grammar takes it, else the grammar masks the vocabulary and the token is drawn again (greedy: the best token
+    the grammar allows). The grammar, like the chain, moves past drawn tokens only."""
 
     def __init__(self, params: SamplingParams, n_vocab: int, prompt: Sequence[int] = (),
-                 n_logprobs: int | None = None):
+                 n_logprobs: int | None = None, constraint: GrammarConstraint | None = None):
         self._chain = None  # before the checks: __del__ closes a sampler that failed them too
+        self.constraint = constraint
         params.check()
         check_logit_bias(params.logit_bias, n_vocab)
         check_n_logprobs(n_logprobs, n_vocab)
         self.params = params
         self.n_vocab = n_vocab
         self.n_logprobs = n_logprobs
+        self.masked_draws = 0  # draws the grammar refused first, drawn again over the masked vocabulary
         self._logits = LogitsViews(n_vocab)  # any llama_context's: the bench draws from llama-cpp-python's too
         if params.greedy and not params.penalized and not params.logit_bias:
             return
@@ -173,25 +175,45 @@ class Sampler:
 
     def from_context(self, ctx: llama_cpp.llama_context_p, row: int = -1) -> int:
         """The next token from a llama_context's logits of output `row` (the last decode's), read in place."""
-        if self._chain is not None and not self.params.logit_bias:
+        if self._chain is not None and not self.params.logit_bias and self.constraint is None:
             return llama_cpp.llama_sampler_sample(self._chain, ctx, row)  # accepts the token too
         return self(self._logits(ctx, row))
 
     def __call__(self, logits: np.ndarray) -> int:
         """The next token from full-vocabulary `logits` (a head-free exit's: finite for its candidates only,
         which are all the chain is handed)."""
+        token = self._pick(logits)
+        if self.constraint is not None and not self.constraint.allows(token):
+            self.masked_draws += 1
+            masked = self.constraint.mask(logits)
+            if not np.isfinite(masked).any():
+                raise SpecEEError(f"{self.constraint.grammar.origin}: the grammar allows none of the tokens left "
+                                  "(logit_bias bans them?)")
+            token = self._pick(masked)
+        if self._chain is not None:
+            llama_cpp.llama_sampler_accept(self._chain, token)
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        return token
+
+    def _pick(self, logits: np.ndarray) -> int:
+        """The chain's choice from `logits`, not yet accepted."""
         if self._chain is None:
             return int(np.argmax(logits))
         if masks_every_token(logits, self.params):
             raise SpecEEError("logit_bias bans every token: nothing is left to sample")
         ids = np.flatnonzero(logits > -np.inf)
-        data = np.empty(len(ids), TOKEN_DATA)
-        data["id"], data["logit"], data["p"] = ids, logits[ids], 0.0
-        array = llama_cpp.llama_token_data_array(data.ctypes.data_as(llama_cpp.llama_token_data_p), len(ids), -1, False)
+        data, array = token_array(ids, logits[ids])  # data: the buffer the array points into, kept alive
         llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(array))
-        token = int(array.data[array.selected].id)
-        llama_cpp.llama_sampler_accept(self._chain, token)
-        return token
+        return int(array.data[array.selected].id)
+
+    def allows_any(self, logits: np.ndarray) -> bool:
+        """Whether the grammar takes any token that `logits` leave finite (a head-free exit's candidates)."""
+        return self.constraint is None or bool(np.isfinite(self.constraint.mask(logits)).any())
+
+    def allowed_drafts(self, drafts: Sequence[int]) -> int:
+        """How many of exact mode's drafts the grammar would take in order: the rest cannot be accepted."""
+        return len(drafts) if self.constraint is None else self.constraint.allowed_prefix(drafts)
 
     def logprobs(self, logits: np.ndarray, token: int) -> TokenLogprobs | None:
         """None unless the request asked for log-probabilities."""
@@ -201,6 +223,8 @@ class Sampler:
         if self._chain is not None:
             llama_cpp.llama_sampler_free(self._chain)
             self._chain = None
+        if self.constraint is not None:
+            self.constraint.close()
 
     def __del__(self) -> None:
         self.close()

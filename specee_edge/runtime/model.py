@@ -83,6 +83,11 @@ class Model:
     def handle(self) -> int:
         return self._model
 
+    @property
+    def vocab_handle(self) -> int:
+        """The llama_vocab, for samplers that read token texts (a grammar's)."""
+        return self._vocab
+
     def layer_devices(self) -> list[str]:
         """The device each layer runs on, then the output layer's, as ggml names them ("CPU", "CUDA0",
         "RPC0[127.0.0.1:50052]", ...): what the placement gave on this build's devices."""

@@ -32,11 +32,13 @@ from specee_edge.engine import Engine, GenerationStats, TokenRecord
 from specee_edge.engine.sampling import check_logit_bias
 from specee_edge.errors import ContextFullError, SpecEEError
 from specee_edge.exits import depth_band, depth_bands
+from specee_edge.grammar import Grammar
 from specee_edge.pack import PackLevelError, parse_quality
 from specee_edge.runtime import rpc
 from specee_edge.runtime.model import check_token_ids
 from specee_edge.server import protocol
 from specee_edge.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from specee_edge.server.tools import CallStream, ToolUse, messages_for_template, parse_calls, plan_tools
 from specee_edge.server.worker import EngineWorker, Job, QueueFullError, ServerClosingError
 
 # The page's colour of each exit-depth band (exits.DEPTH_BAND_SHARES), the terminal's hues (green, cyan,
@@ -201,8 +203,9 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await run_in_threadpool(_parse, ChatCompletionRequest, await request.body())
-        prompt = await run_in_threadpool(_format_chat, engine, body, config.chat_template)
-        return await _complete(request, body, prompt, chat=True)
+        tool_use = await run_in_threadpool(_tool_use, engine, body, config.chat_template)
+        prompt = await run_in_threadpool(_format_chat, engine, body, config.chat_template, tool_use)
+        return await _complete(request, body, prompt, chat=True, tool_use=tool_use)
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
@@ -216,7 +219,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return resources.files("specee_edge.server").joinpath("static/index.html").read_text()
 
     async def _complete(request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: str | list[int],
-                        *, chat: bool) -> Response:
+                        *, chat: bool, tool_use: ToolUse | None = None) -> Response:
         if body.n != 1:
             raise ApiError(400, f"n must be 1 (one choice per request), got {body.n}", code="unsupported_value")
         if body.reply_limit is not None and body.reply_limit > engine.ctx.n_ctx:
@@ -229,13 +232,22 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         with refused_as("logit_bias"):  # the Sampler's own check, made before the request waits in the queue
             check_logit_bias(sampling.logit_bias, engine.model.info.n_vocab)
         quality = _request_quality(engine, body.quality, engine.config.quality)
+        with refused_as((body.grammar_fields or ["response_format"])[0]):
+            grammar = await run_in_threadpool(body.reply_grammar)
+        if tool_use is not None and tool_use.grammar is not None:
+            if grammar is not None:
+                raise ApiError(400, f"tool_choice {tool_use.choice!r} constrains the reply to calls: give no "
+                                    f"{body.grammar_fields[0]} with it", param="tool_choice")
+            grammar = Grammar(tool_use.grammar, "tool_choice")
         max_tokens = body.reply_limit or engine.ctx.n_ctx  # none: until the context is full
-        job = Job(prompt, max_tokens, sampling, body.stops(), quality, asyncio.get_running_loop(), body.n_logprobs)
+        job = Job(prompt, max_tokens, sampling, body.stops(), quality, asyncio.get_running_loop(), body.n_logprobs,
+                  grammar)
         try:
             worker.submit(job)
         except QueueFullError as e:
             raise ApiError(503, str(e), "server_error", "queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        reply = Reply(job, request, chat, config.model_id, _level_quality(engine, quality), engine.model.token_to_piece)
+        reply = Reply(job, request, chat, config.model_id, _level_quality(engine, quality), engine.model.token_to_piece,
+                      tool_use)
         streaming = False
         try:
             first = await reply.next_event()
@@ -258,9 +270,10 @@ class Reply:
     """One request's events turned into OpenAI's response objects: whole, or as stream chunks."""
 
     def __init__(self, job: Job, request: Request, chat: bool, model_id: str, quality: float | None,
-                 piece: Callable[[int], bytes]):
+                 piece: Callable[[int], bytes], tool_use: ToolUse | None = None):
         self.job, self.request, self.chat, self.model_id, self.quality = job, request, chat, model_id, quality
         self.piece = piece  # a token's bytes, for logprobs
+        self.tool_use = tool_use  # the reply's calls are read back into tool_calls
         self.id = protocol.new_id("chatcmpl" if chat else "cmpl")
         self.created = protocol.created()
         self.n_tokens = 0
@@ -302,9 +315,15 @@ class Reply:
         stats = event[1]
         text = "".join(r.text for r in records)
         logprobs = self.logprobs(records)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs} if self.chat
+        calls: list[dict] = []
+        if self.tool_use is not None:
+            text, calls = parse_calls(text, self.tool_use.fmt, self.tool_use.tools)
+        message = {"role": "assistant", "content": (text or None) if calls else text}
+        if calls:
+            message["tool_calls"] = calls
+        choice = ({"index": 0, "message": message, "logprobs": logprobs} if self.chat
                   else {"index": 0, "text": text, "logprobs": logprobs})
-        choice["finish_reason"] = protocol.finish_reason(stats)
+        choice["finish_reason"] = protocol.finish_reason(stats, bool(calls))
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model_id, "choices": [choice],
                 "usage": protocol.usage(stats, self.n_tokens),
@@ -312,23 +331,31 @@ class Reply:
 
     async def chunks(self, event: tuple, include_usage: bool) -> AsyncIterator[dict]:
         """Server-sent events: a chunk per token, one with the finish reason and the reply's figures, [DONE]."""
+        calls = CallStream(self.tool_use.fmt, self.tool_use.tools) if self.tool_use is not None else None
         try:
             if self.chat:
                 yield self._chunk({"delta": {"role": "assistant", "content": ""}})
             while event[0] == "token":
                 record = event[1]
-                piece = {"delta": {"content": record.text}} if self.chat else {"text": record.text}
-                if (logprobs := self.logprobs([record])) is not None:
-                    piece["logprobs"] = logprobs
-                self.n_chars += len(record.text)
-                yield self._chunk(piece, specee=protocol.token_extension(record))
+                if calls is not None:  # text outside calls as it comes, each call once it is whole
+                    for delta in calls.feed(record.text):
+                        yield self._chunk({"delta": delta}, specee=protocol.token_extension(record))
+                else:
+                    piece = {"delta": {"content": record.text}} if self.chat else {"text": record.text}
+                    if (logprobs := self.logprobs([record])) is not None:
+                        piece["logprobs"] = logprobs
+                    self.n_chars += len(record.text)
+                    yield self._chunk(piece, specee=protocol.token_extension(record))
                 event = await self.next_event(watch_client=False)
             if event[0] == "error":  # after the first token only a bug gets here: end the stream with it
                 yield {"data": json.dumps(error_body(str(event[1]), "server_error"))}
                 return
             stats = event[1]
+            for delta in calls.finish() if calls is not None else []:
+                yield self._chunk({"delta": delta})
             last = {"delta": {}} if self.chat else {"text": ""}
-            yield self._chunk(last | {"finish_reason": protocol.finish_reason(stats)},
+            called = calls is not None and bool(calls.calls)
+            yield self._chunk(last | {"finish_reason": protocol.finish_reason(stats, called)},
                               specee=protocol.reply_extension(stats, self.quality))
             if include_usage:
                 yield {"data": json.dumps(self._object([]) | {"usage": protocol.usage(stats, self.n_tokens)})}
@@ -406,9 +433,19 @@ def lost_message(lost: list[str]) -> str:
             " restart the worker, then this server")
 
 
-def _format_chat(engine: Engine, body: ChatCompletionRequest, template: str | None) -> str:
+def _tool_use(engine: Engine, body: ChatCompletionRequest, template: str | None) -> ToolUse | None:
+    """The request's tools as the server runs them (None: no tools, or tool_choice none)."""
+    param = "functions" if body.functions is not None or body.function_call is not None else "tools"
+    with refused_as(param):
+        return plan_tools(body.tools, body.tool_choice, body.functions, body.function_call,
+                          template or engine.chat_template, body.parallel_tool_calls)
+
+
+def _format_chat(engine: Engine, body: ChatCompletionRequest, template: str | None, tool_use: ToolUse | None) -> str:
+    with refused_as("messages"):
+        messages = messages_for_template([m.for_template() for m in body.messages])
     try:
-        return engine.format_chat([m.for_template() for m in body.messages], template)
+        return engine.format_chat(messages, template, tool_use.tools if tool_use is not None else None)
     except SpecEEError as e:
         raise ApiError(400, str(e), param="messages") from None
     except Exception as e:  # the template's own error (a role order it refuses, say)

@@ -1,10 +1,11 @@
 """The OpenAI API's request bodies and response objects, as far as specee-edge serves them.
 
 Request fields the server does not know are ignored, as OpenAI's own API and llama-server do; a known
-field of the wrong type is a 400, and so is a field it knows but cannot honour (tools, a JSON response
-format). An explicit null is the field's default, as in OpenAI's API. Sampling defaults are llama.cpp's
-(llama-server and llama-cpp-python's server use the same), not OpenAI's. `quality` and the `specee`
-objects are this server's extensions.
+field of the wrong type is a 400, and so is a field it knows but cannot honour. An explicit null is the field's
+default, as in OpenAI's API. Sampling defaults are llama.cpp's (llama-server and llama-cpp-python's server use the
+same), not OpenAI's. A reply is constrained by OpenAI's `response_format` (a JSON object, or a JSON schema), or by
+llama-server's `grammar` (GBNF) or `json_schema`: one of them. `quality` and the `specee` objects are this server's
+extensions.
 """
 
 from __future__ import annotations
@@ -22,15 +23,14 @@ from specee_edge.engine.sampling import INT32_MAX, MAX_REPEAT_LAST_N, MAX_SEED, 
 from specee_edge.engine.stops import MAX_STOP_CHARS
 from specee_edge.errors import SpecEEError
 from specee_edge.exits import ExitKind
+from specee_edge.grammar import JSON_OBJECT_GRAMMAR, Grammar, grammar_from_schema, grammar_from_text
 from specee_edge.runtime.model import utf8
 
 MAX_STOPS = 4             # OpenAI's limit (the engine takes up to stops.MAX_STOPS)
 MAX_TOP_LOGPROBS = 20     # chat's top_logprobs; completions' logprobs goes to 5
 BAN = -100.0              # OpenAI: a bias of -100 bans the token (a finite -100 would not, at a head-free exit's 4 candidates)
 LOGPROB_FLOOR = -9999.0   # JSON has no -Infinity
-# fields this server knows but cannot honour, and the values that ask for nothing
-UNSUPPORTED: dict[str, tuple] = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-                                 "function_call": (None, "none"), "response_format": (None, {"type": "text"})}
+TOOL_FIELDS = ("tools", "tool_choice", "functions", "function_call")  # chat's: a completion has no turns to call in
 
 
 def check_text(value: Any) -> Any:
@@ -68,16 +68,16 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     quality: float | Literal["default", "exact"] | None = None  # the pack's quality level for this request
+    response_format: dict[str, Any] | None = None  # OpenAI's: {"type": "text" | "json_object" | "json_schema", ...}
+    grammar: str | None = None                     # llama-server's: GBNF text
+    json_schema: dict[str, Any] | bool | None = None  # llama-server's: a JSON schema
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_unsupported_and_drop_nulls(cls, data: Any) -> Any:
-        """A field the server cannot honour is a 400; an explicit null is the field's default."""
+    def _drop_nulls(cls, data: Any) -> Any:
+        """An explicit null is the field's default."""
         if not isinstance(data, dict):
             return data
-        for name, allowed in UNSUPPORTED.items():
-            if data.get(name) not in allowed:
-                raise ValueError(f"{name} is not supported by this server")
         return {key: value for key, value in data.items() if value is not None}
 
     _stop_is_text = field_validator("stop")(check_text)
@@ -90,6 +90,37 @@ class SamplingFields(BaseModel):
         if any(not -100.0 <= bias <= 100.0 for bias in (self.logit_bias or {}).values()):
             raise ValueError("logit_bias values must be in [-100, 100]")
         return self
+
+    @property
+    def grammar_fields(self) -> list[str]:
+        """The fields given that constrain the reply."""
+        given = [name for name in ("grammar", "json_schema") if getattr(self, name) is not None]
+        return (["response_format"] if (self.response_format or {}).get("type", "text") != "text" else []) + given
+
+    def reply_grammar(self) -> Grammar | None:
+        """The grammar the reply follows, from whichever of response_format, grammar and json_schema is given (at
+        most one); SpecEEError names the field and what is wrong with it."""
+        given = self.grammar_fields
+        kind = (self.response_format or {}).get("type", "text")
+        if len(given) > 1:
+            raise SpecEEError(f"{' and '.join(given)}: give one of them")
+        if self.grammar is not None:
+            return grammar_from_text(self.grammar, "grammar")
+        if self.json_schema is not None:
+            return grammar_from_schema(self.json_schema, "json_schema")
+        if kind == "text":
+            return None
+        if kind == "json_object":  # llama-server also reads a schema beside the type
+            schema = self.response_format.get("schema")
+            if schema is not None:
+                return grammar_from_schema(schema, "response_format.schema")
+            return grammar_from_text(JSON_OBJECT_GRAMMAR, "response_format")
+        if kind == "json_schema":
+            spec = self.response_format.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise SpecEEError('response_format.json_schema: expected {"name": ..., "schema": {...}}')
+            return grammar_from_schema(spec["schema"], "response_format.json_schema.schema")
+        raise SpecEEError(f"response_format.type: {kind!r} is not text, json_object or json_schema")
 
     @property
     def reply_limit(self) -> int | None:
@@ -122,20 +153,33 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]  # a tool's result, as the template renders it
+    # tool: a tool's result, as the template renders it; function: the legacy form of one
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[Any] | None = None  # an assistant's calls: checked by tools.messages_for_template
+    tool_call_id: str | None = None      # a tool result: the call it answers
+    name: str | None = None              # a tool result: the function's name
+    function_call: Any = None            # the legacy form of an assistant's one call
 
     _content_is_text = field_validator("content")(check_text)
 
-    def for_template(self) -> dict[str, str]:
+    def for_template(self) -> dict[str, Any]:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        return message | {key: value for key in ("tool_calls", "tool_call_id", "name", "function_call")
+                          if (value := getattr(self, key)) is not None}
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # OpenAI's tools (checked by tools.plan_tools, which names the field in its error) and their legacy forms
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: bool = False  # llama-server's default (OpenAI's is true): a small model repeats its call
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -157,6 +201,13 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=5)
 
     _prompt_is_text = field_validator("prompt")(check_text)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tools(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (given := [name for name in TOOL_FIELDS if data.get(name) is not None]):
+            raise ValueError(f"{given[0]}: tools are called in chat turns: use /v1/chat/completions")
+        return data
 
     @property
     def n_logprobs(self) -> int | None:
@@ -184,9 +235,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def finish_reason(stats: GenerationStats) -> str:
-    """OpenAI's names: a full context ends a reply as max_tokens does."""
-    return "stop" if stats.finish_reason == "stop" else "length"
+def finish_reason(stats: GenerationStats, called: bool = False) -> str:
+    """OpenAI's names: a full context ends a reply as max_tokens does; a reply that ended in calls, tool_calls."""
+    if stats.finish_reason != "stop":
+        return "length"
+    return "tool_calls" if called else "stop"
 
 
 def usage(stats: GenerationStats, n_completion: int) -> dict:

@@ -17,6 +17,7 @@ from typing import Literal
 
 from specee_edge.engine import Engine, GenerationStats, SamplingParams, TokenRecord
 from specee_edge.errors import SpecEEError
+from specee_edge.grammar import Grammar
 
 log = logging.getLogger("specee_edge.server")
 
@@ -42,6 +43,7 @@ class Job:
     quality: float | None  # the pack's level for this request (None: the pack's default)
     loop: asyncio.AbstractEventLoop
     n_logprobs: int | None = None  # each token's logprobs, with this many alternatives (None: none)
+    grammar: Grammar | None = None  # every token of the reply is one it allows
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -111,7 +113,7 @@ class EngineWorker:
             reuse_cache(engine, tokens)
             # a client that goes away during a long prompt stops it at the next batch
             stream = engine.stream(tokens, max_tokens=job.max_tokens, sampling=job.sampling, stop=job.stop,
-                                   logprobs=job.n_logprobs, cancel=job.cancelled.is_set)
+                                   logprobs=job.n_logprobs, grammar=job.grammar, cancel=job.cancelled.is_set)
             for record in stream:
                 if job.cancelled.is_set():
                     stream.close()  # the engine keeps what it decoded, consistently (as Ctrl+C does)
