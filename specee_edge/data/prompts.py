@@ -48,9 +48,15 @@ def load_prompts(path: str | Path | None = None) -> list[Prompt]:
 SPEC_BENCH = ("multi-turn", "translation", "summarization", "qa", "math-reasoning", "rag")
 
 
+# Sets whose answers are held to a grammar: their prompts ask for JSON of EXTRACT_SCHEMA's shape. `all` leaves
+# them out (it is the free-text sets, as the figures measured on it had them).
+EXTRACT = "extract"
+GRAMMAR_SETS = (EXTRACT,)
+
+
 def bench_prompts(name_or_path: str) -> list[Prompt]:
-    """A built-in bench set (chat, code, math, summarize, edit, one of SPEC_BENCH, spec-bench for those six, or
-    all) or a JSONL file."""
+    """A built-in bench set (chat, code, math, summarize, edit, one of SPEC_BENCH, spec-bench for those six, all
+    of those, or extract: facts to copy into EXTRACT_SCHEMA's JSON) or a JSONL file."""
     if Path(name_or_path).suffix == ".jsonl":
         return load_prompts(name_or_path)
     rows = _read_jsonl(files(__package__).joinpath("bench_prompts.jsonl").read_text(), "bench_prompts.jsonl", "set")
@@ -58,8 +64,15 @@ def bench_prompts(name_or_path: str) -> list[Prompt]:
     if name_or_path not in ("all", "spec-bench", *sets):
         raise SpecEEError(f"unknown prompt set {name_or_path!r}: choose {', '.join(sets)}, spec-bench, all, "
                           "or a .jsonl file")
-    chosen = SPEC_BENCH if name_or_path == "spec-bench" else sets if name_or_path == "all" else (name_or_path,)
+    free_text = [s for s in sets if s not in GRAMMAR_SETS]
+    chosen = SPEC_BENCH if name_or_path == "spec-bench" else free_text if name_or_path == "all" else (name_or_path,)
     return [p for p in rows if p.category in chosen]
+
+
+def extract_schema() -> dict:
+    """The JSON schema the extract set's answers fill: people and their roles, organization, date, place, amount,
+    summary."""
+    return json.loads(files(__package__).joinpath("extract_schema.json").read_text())
 
 
 def heldout_text() -> str:
