@@ -13,7 +13,7 @@ from llama_cpp import Llama
 from typer.testing import CliRunner
 
 from specee_edge.bench.quality import repetition
-from specee_edge.bench.report import LLAMA_CPP_PYTHON
+from specee_edge.bench.report import LLAMA_CPP_PYTHON, repeat_of
 from specee_edge.bench.run import NO_PACK, EngineSpec, bench_qualities, pick_prompts
 from specee_edge.bench.runner import ContextLane, Stopwatch, VanillaLane
 from specee_edge.data.prompts import Prompt, bench_prompts
@@ -118,7 +118,9 @@ def within(value: float, interval: list[float]) -> bool:
 def test_every_lane_answers_whole_in_a_shuffled_order_and_every_speedup_has_its_interval(bench_run):
     data, _, output = bench_run
     level = "exact" if data["exact"] else f"{data['quality']:g}"
-    lanes = {LLAMA_CPP_PYTHON, ContextLane.name, f"specee-edge {DEFAULT_KV_MODE}@{level}", f"specee-edge {NO_PACK}"}
+    # llama-server not run: only the bare Context has its repeat lane
+    lanes = {LLAMA_CPP_PYTHON, ContextLane.name, repeat_of(ContextLane.name), f"specee-edge {DEFAULT_KV_MODE}@{level}",
+             f"specee-edge {NO_PACK}"}
     order = data["lane_order"]
     assert order["seed"] == 0 and order["sampled"] is None  # --greedy-only
     assert len(order["greedy"]) == PROMPTS and all(set(names) == lanes and len(names) == len(lanes)
@@ -127,6 +129,13 @@ def test_every_lane_answers_whole_in_a_shuffled_order_and_every_speedup_has_its_
     bare = data["tools"][ContextLane.name]
     assert bare["tok_s"] > 0 and bare["identical"] == 1.0
     assert data["bare_ms_per_token"]["layers"] > 0 and data["bare_ms_per_token"]["other"] >= 0
+    # its repeat, a fresh equal twin, read against it: the run's noise
+    [repeat] = data["repeats"]
+    twin = data["tools"][repeat_of(ContextLane.name)]["tok_s"] / bare["tok_s"]
+    assert (repeat["lane"], repeat["twin"]) == (repeat_of(ContextLane.name), ContextLane.name)
+    assert repeat["decoding"] == "greedy"
+    assert repeat["ratio"] == pytest.approx(twin) and repeat["interval"] is not None
+    assert repeat["drifted"] == ("the run drifted" in output)
     for lane in (data, *data["modes"].values(), *data["tools"].values()):
         assert within(lane["speedup"], lane["speedup_interval"])
         assert set(lane["speedup_by_category_interval"]) == set(lane["speedup_by_category"])

@@ -1,12 +1,14 @@
 """The bench's figures from lanes built by hand (no model): speed-ups per category with their intervals, where a
-category holds two prompts (the bench's own tests run one a category, so their category intervals are all None), and
-the terminal's tables printing every speed-up's interval."""
+category holds two prompts (the bench's own tests run one a category, so their category intervals are all None), the
+terminal's tables printing every speed-up's interval, and the repeat lanes read against their twins."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,8 +17,10 @@ from rich.table import Table
 
 from specee_edge.bench.llama_server import PLAIN
 from specee_edge.bench.quality import Agreement, Perplexity
-from specee_edge.bench.report import LLAMA_CPP_PYTHON, BenchResult, _plot_tradeoff, category_ratio, ratio
-from specee_edge.bench.run import (NO_PACK, interval_by_category, lane_speed, lane_stats, mode_result, sampled_result,
+from specee_edge.bench.report import (BARE_CONTEXT, LLAMA_CPP_PYTHON, BenchResult, RepeatResult, ToolLane,
+                                      _plot_tradeoff, category_ratio, drift_line, drifts, ratio, repeat_of)
+from specee_edge.bench.run import (NO_PACK, BenchConfig, DecodePass, context_names, interval_by_category, lane_speed,
+                                   lane_stats, mode_result, repeat_results, sampled_result, server_names,
                                    speedup_by_category, tool_lane)
 from specee_edge.bench.runner import SpecEELane
 from specee_edge.engine import TokenRecord
@@ -148,3 +152,103 @@ def test_the_plot_names_the_vanilla_lane_as_the_tables_do(result):
         assert f"vanilla ({LLAMA_CPP_PYTHON})" in [text.get_text() for text in agreement_ax.get_legend().get_texts()]
     finally:
         plt.close(figure)
+
+
+@dataclass
+class NamedLane(TimedLane):
+    """A lane of a decoding pass, by name."""
+
+    name: str = ""
+
+
+def decoded(servers: dict[str, Timing], contexts: dict[str, Timing]) -> DecodePass:
+    """A pass whose llama-server and bare Context lanes took these timings."""
+    return DecodePass(vanilla=NamedLane(BASE, name=LLAMA_CPP_PYTHON), specee={}, peer=None, order=[],
+                      servers={name: NamedLane(t, name=name) for name, t in servers.items()},
+                      contexts={name: NamedLane(t, name=name) for name, t in contexts.items()})
+
+
+def test_plain_and_the_bare_context_each_have_a_repeat_lane_unless_turned_off():
+    with_server = BenchConfig(model=Path("model.gguf"), llama_server=Path("llama-server"), spec_types=["ngram-mod"])
+    assert server_names(with_server) == [PLAIN, f"{PLAIN} (repeat)", "ngram-mod"]  # plain stays first: the baseline
+    assert context_names(with_server) == [BARE_CONTEXT, f"{BARE_CONTEXT} (repeat)"]
+    # llama-server not built: only the Context repeat runs
+    assert server_names(dataclasses.replace(with_server, llama_server=None)) == []
+    off = dataclasses.replace(with_server, repeat=False)
+    assert server_names(off) == [PLAIN, "ngram-mod"] and context_names(off) == [BARE_CONTEXT]
+
+
+def test_each_repeat_is_read_against_its_twin_with_the_paired_interval():
+    slower = timing([s * 1.05 for s in (0.070, 0.080, 0.070, 0.075, 0.090)])  # every answer 5 % slower than BASE's
+    steady = timing([0.0702, 0.0798, 0.0701, 0.0749, 0.0901])
+    greedy = decoded({PLAIN: BASE, repeat_of(PLAIN): slower, "ngram-mod": FAST},
+                     {BARE_CONTEXT: BASE, repeat_of(BARE_CONTEXT): steady})
+    sampled = decoded({PLAIN: BASE}, {BARE_CONTEXT: SLOW, repeat_of(BARE_CONTEXT): SLOW})  # plain's repeat failed
+    repeats = repeat_results([("greedy", greedy), ("sampled", sampled)])
+    assert [(r.lane, r.twin, r.decoding) for r in repeats] == [
+        (repeat_of(PLAIN), PLAIN, "greedy"), (repeat_of(BARE_CONTEXT), BARE_CONTEXT, "greedy"),
+        (repeat_of(BARE_CONTEXT), BARE_CONTEXT, "sampled")]
+    server, context, context_sampled = repeats
+    assert server.ratio == pytest.approx(1 / 1.05) and server.interval == pytest.approx((1 / 1.05, 1 / 1.05))
+    assert server.drifted
+    assert context.ratio == pytest.approx(steady.tok_s / BASE.tok_s)
+    assert context.interval[0] <= context.ratio <= context.interval[1] and not context.drifted
+    assert (context_sampled.ratio, context_sampled.interval, context_sampled.drifted) == (1.0, (1.0, 1.0), False)
+
+
+def test_a_repeat_drifted_outside_the_band_or_where_its_interval_leaves_out_1():
+    assert not drifts(1.0, None) and not drifts(1.015, (0.97, 1.06)) and not drifts(0.98, (0.95, 1.01))
+    assert drifts(1.03, (0.99, 1.07))   # outside [0.98, 1.02], though its interval holds 1
+    assert drifts(1.01, (1.004, 1.02))  # inside the band, but its interval leaves out 1
+    assert drifts(0.97, None)
+
+
+def test_the_drift_line_names_each_repeat_that_drifted():
+    server = RepeatResult(repeat_of(PLAIN), PLAIN, "greedy", 0.95, (0.93, 0.97))
+    steady = RepeatResult(repeat_of(BARE_CONTEXT), BARE_CONTEXT, "greedy", 1.004, (0.99, 1.02))
+    assert drift_line([steady]) is None
+    assert drift_line([server, steady]) == ("the run drifted: llama-server (repeat) read 0.95x its twin (0.93-0.97); "
+                                            "ratios in this run carry that much noise")
+    sampled = RepeatResult(repeat_of(BARE_CONTEXT), BARE_CONTEXT, "sampled", 1.04, None)
+    assert drift_line([server, sampled]).startswith(
+        "the run drifted: llama-server (repeat) read 0.95x its twin (0.93-0.97), "
+        f"{BARE_CONTEXT} (repeat) read 1.04x its twin sampled; ")
+
+
+def test_the_report_says_a_drift_at_the_top_and_prints_each_repeat_against_its_twin(result):
+    repeats = [RepeatResult(repeat_of(PLAIN), PLAIN, "greedy", 0.95, (0.93, 0.97)),
+               RepeatResult(repeat_of(PLAIN), PLAIN, "sampled", 1.004, (0.99, 1.02))]
+    drifted = dataclasses.replace(result, repeats=repeats)
+    top = terminal_text(drifted.render(), width=200).splitlines()[0]
+    assert top == drift_line(repeats)
+    row = next(line for line in terminal_text(drifted._run(), width=200).splitlines() if " repeat " in line)
+    assert f"{repeat_of(PLAIN)} against {PLAIN}: 0.950x [0.93-0.97] greedy, 1.004x [0.99-1.02] sampled" in row
+    assert drifted.to_json()["repeats"][0] == {"lane": repeat_of(PLAIN), "twin": PLAIN, "decoding": "greedy",
+                                               "ratio": 0.95, "interval": (0.93, 0.97), "drifted": True}
+    steady = dataclasses.replace(result, repeats=repeats[1:])
+    assert not terminal_text(steady.render(), width=200).startswith("the run drifted")
+
+
+@dataclass
+class DraftingLane(TimedLane):
+    """A llama-server lane whose server confirmed speculation, and whose speculation drafted nothing."""
+
+    speculates: bool = True
+    drafted: int = 0
+    accepted: int = 0
+
+
+def test_a_speculating_lane_shows_what_it_drafted_even_when_nothing():
+    """The draft lane and the n-gram lanes: their accepted / drafted, read from the server's timings (draft_n,
+    draft_n_accepted), 0 / 0 included; plain has none to show."""
+    assert tool_lane(DraftingLane(FAST), TimedLane(BASE), BASE, CATEGORIES, None, None, None).speculates
+    plain = ToolLane(tok_s=1.0, speedup=1.0, identical=1.0)
+    drafting = ToolLane(tok_s=1.0, speedup=1.0, identical=1.0, speculates=True)
+    result = BenchResult(model="m", pack=NO_PACK, n_layer=4, threads=1, k=0, prompt_set="all", prompts=1, tokens=8,
+                         vanilla_steps=1, vanilla_tok_s=1.0, oracle_speedup=None, oracle_avg_exit_layer=None,
+                         oracle_head_free_speedup=None, oracle_head_free_avg_exit_layer=None, oracle_histogram=[],
+                         costs=None, ppl_full=1.0, ppl_tokens=1, default_quality=None, modes=[], seconds=1.0,
+                         command="", tools={PLAIN: plain, "draft": drafting})
+    rows = terminal_text(result._against_llama_cpp(), width=200).splitlines()
+    assert next(line for line in rows if line.strip().startswith("draft")).rstrip().endswith("0 / 0; 0 / 0")
+    assert next(line for line in rows if line.strip().startswith(PLAIN)).rstrip().endswith("-")

@@ -18,31 +18,76 @@ from typer.testing import CliRunner
 
 from specee_edge import build_runtime
 from specee_edge.bench import run as bench_run
-from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, ENV_BINARY, PLAIN, SPEC_TYPES, LlamaServer,
-                                            LlamaServerError, ServerLane, ServerSetup, completion, find_binary,
-                                            has_terminal, parse_spec_types)
-from specee_edge.bench.report import LLAMA_CPP_PYTHON
+from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, DRAFT, DRAFT_SPEC_TYPE, ENV_BINARY, PLAIN, SPEC_TYPES,
+                                            LlamaServer, LlamaServerError, ServerLane, ServerSetup, completion,
+                                            find_binary, has_terminal, lane_args, parse_spec_types, speculates,
+                                            why_not_speculating)
+from specee_edge.bench.report import LLAMA_CPP_PYTHON, repeat_of
 from specee_edge.bench.run import BenchConfig, baseline_notes
-from specee_edge.bench.runner import ContextLane, PeerLane, VanillaLane, run_lanes
+from specee_edge.bench.runner import ContextLane, PeerLane, Stopwatch, VanillaLane, run_lanes
 from specee_edge.cli import app
 from specee_edge.default_model import default_model_path
 from specee_edge.engine import GREEDY
 from specee_edge.errors import SpecEEError
 from specee_edge.runtime import Model
+from specee_edge.runtime.placement import Placement
 from tests.conftest import LLAMA_SERVER_MISSING, tiny_model_path
 
 PROMPTS, TOKENS = 2, 8
 
 
-def test_spec_types_are_the_vendored_llama_cpps():
-    """Every lane's --spec-type is one the vendored llama.cpp knows, and every n-gram type it knows is a lane."""
+def vendored_source(path: str) -> str:
+    """A file of the vendored llama.cpp, read from the cached sdist."""
     sdist = build_runtime.fetch_sdist(build_runtime.cache_root() / "sdist")
     with tarfile.open(sdist) as tar:
-        member = next(m for m in tar.getmembers() if m.name.endswith("vendor/llama.cpp/common/speculative.cpp"))
-        source = tar.extractfile(member).read().decode()
+        member = next(m for m in tar.getmembers() if m.name.endswith(f"vendor/llama.cpp/{path}"))
+        return tar.extractfile(member).read().decode()
+
+
+def test_spec_types_are_the_vendored_llama_cpps():
+    """Every lane's --spec-type is one the vendored llama.cpp knows, and every n-gram type it knows is a lane."""
+    source = vendored_source("common/speculative.cpp")
     known = set(re.findall(r'\{"(ngram-[a-z0-9-]+)",\s*COMMON_SPECULATIVE_TYPE_', source))
     assert known == set(SPEC_TYPES)
     assert set(DEFAULT_SPEC_TYPES) <= known
+
+
+def test_the_draft_lane_asks_for_draft_model_speculation_with_the_draft_pinned():
+    """-md alone selects only the drafts a GGUF announces (MTP, DFlash, EAGLE): the lane names llama.cpp's classic
+    draft-model type, and pins the draft's GPU layers (the target's count) and threads (the bench's)."""
+    setup = ServerSetup(Path("llama-server"), Path("model.gguf"), threads=3, n_ctx=512,
+                        placement=Placement(n_gpu_layers=7))
+    argv = setup.args(8080, lane_args(DRAFT, setup, Path("draft.gguf")))
+    flags = dict(zip(argv[-10::2], argv[-9::2]))
+    assert flags == {"-md": "draft.gguf", "--spec-type": DRAFT_SPEC_TYPE, "-ngld": "7", "-td": "3", "-tbd": "3"}
+    assert DRAFT_SPEC_TYPE == "draft-simple"
+    assert argv[argv.index("-ngl") + 1] == "7" and argv[argv.index("-c") + 1] == "512"  # the draft's context: -c
+    # each flag is the vendored llama.cpp's own
+    assert re.search(r'\{"draft-simple",\s*COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE\}',
+                     vendored_source("common/speculative.cpp"))
+    arg_source = vendored_source("common/arg.cpp")
+    for flag in ("-md", "--spec-type", "-ngld", "-td", "-tbd"):
+        assert re.search(rf'\{{[^}}]*"{flag}"[^}}]*\}}', arg_source), flag
+
+
+def test_a_repeat_lane_runs_its_twins_flags():
+    setup = ServerSetup(Path("llama-server"), Path("model.gguf"), threads=2, n_ctx=512)
+    assert lane_args(repeat_of(PLAIN), setup) == lane_args(PLAIN, setup) == []
+    assert lane_args(repeat_of("ngram-mod"), setup) == lane_args("ngram-mod", setup) == ["--spec-type", "ngram-mod"]
+    assert [speculates(name) for name in (PLAIN, repeat_of(PLAIN), "ngram-mod", DRAFT)] == [False, False, True, True]
+
+
+# GET /slots of the vendored llama-server (tools/server/server-context.cpp, server_slot::to_json), with -np 1
+SLOT = {"id": 0, "n_ctx": 2048, "is_processing": False}
+
+
+def test_slots_decide_whether_a_lane_speculates():
+    """A server that set up speculative decoding says so per slot; one that did not (-md without a type it sets up)
+    is a lane that would decode plainly, dropped with the reason."""
+    assert why_not_speculating([SLOT | {"speculative": True}]) is None
+    assert why_not_speculating([SLOT | {"speculative": False}]) == "/slots reports speculative false for slot 0"
+    assert "no `speculative` field" in why_not_speculating([SLOT])
+    assert why_not_speculating({"error": {"code": 501}}) == "/slots lists no slots"
 
 
 def test_spec_types_flag():
@@ -247,6 +292,18 @@ def test_server_stops_when_the_block_raises(setup):
     assert server.proc.poll() is not None
 
 
+def test_the_draft_lane_drafts_and_a_draft_model_alone_does_not(setup):
+    """The default model as its own draft (the same vocabulary): -md alone sets up no speculation, and its lane is
+    refused with one line; the draft lane's flags set it up, and its answers are drafted and accepted."""
+    with pytest.raises(LlamaServerError, match=r"set up no speculative decoding \(/slots reports speculative false"):
+        LlamaServer(setup, ["-md", str(setup.model)], speculative=True)
+    prompt = Llama(model_path=str(setup.model), vocab_only=True, verbose=False).tokenize(b"one two three one two three")
+    with LlamaServer(setup, lane_args(DRAFT, setup, setup.model), speculative=True) as server:
+        lane = ServerLane(DRAFT, server, TOKENS, GREEDY)
+        lane.answer(prompt, Stopwatch())
+    assert lane.speculates and lane.drafted > 0 and 0 < lane.accepted <= lane.drafted
+
+
 def test_a_server_that_cannot_start_is_one_line(setup, tmp_path):
     not_a_model = tmp_path / "draft.gguf"
     not_a_model.write_text("not a gguf")
@@ -268,7 +325,9 @@ def test_bench_against_llama_server(binary, tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["baseline"] == data["baseline_sampled"] == PLAIN
-    assert set(data["tools"]) == {PLAIN, "ngram-mod", LLAMA_CPP_PYTHON, ContextLane.name}
+    lanes = [PLAIN, repeat_of(PLAIN), "ngram-mod", LLAMA_CPP_PYTHON, ContextLane.name, repeat_of(ContextLane.name)]
+    assert set(data["tools"]) == set(lanes)
+    assert data["tools"]["ngram-mod"]["speculates"] and not data["tools"][PLAIN]["speculates"]
     for lane in data["tools"].values():
         assert lane["tok_s"] > 0 and lane["tok_s_sampled"] > 0
     plain = data["tools"][PLAIN]
@@ -278,7 +337,10 @@ def test_bench_against_llama_server(binary, tmp_path):
     assert len(data["dropped"]) == 1 and data["dropped"][0].startswith("draft: llama-server exited")
     # every lane, the servers too, answered each prompt whole in its turn; each ratio has its interval
     for order in (*data["lane_order"]["greedy"], *data["lane_order"]["sampled"]):
-        assert sorted(order) == sorted([PLAIN, "ngram-mod", LLAMA_CPP_PYTHON, ContextLane.name, "specee-edge fill@exact"])
+        assert sorted(order) == sorted([*lanes, "specee-edge fill@exact"])
+    # each repeat against its twin, in both passes
+    assert [(r["lane"], r["decoding"]) for r in data["repeats"]] == [
+        (repeat_of(name), what) for what in ("greedy", "sampled") for name in (PLAIN, ContextLane.name)]
     low, high = data["tools"]["ngram-mod"]["speedup_interval"]
     assert low <= data["tools"]["ngram-mod"]["speedup"] <= high
     assert plain["speedup_interval"] == plain["speedup_sampled_interval"] == [1.0, 1.0]

@@ -1,4 +1,5 @@
-"""llama.cpp's own llama-server as bench lanes: plain decoding (the bench's baseline) and its self-speculation.
+"""llama.cpp's own llama-server as bench lanes: plain decoding (the bench's baseline), its self-speculation and its
+speculation with a draft model.
 
 Each lane is one server on a free loopback port, started with the bench's model, threads, context and batch size.
 A prompt is sent as token ids (/completion with a token array: no chat template can differ) with the lane's
@@ -7,7 +8,8 @@ lanes do. Decode speed is read from the response's `timings`: predicted_ms spans
 the prompt pass) to the last, so a prompt's decode steps are predicted_n - 1, as the other lanes count them. The
 server's time includes its sampling and its per-token bookkeeping, as the Python lanes' includes theirs; at
 temperature 0 that is llama.cpp's whole default sampler chain, where the Python lanes take a numpy argmax
-(docs/bench.md says what each pays).
+(docs/bench.md says what each pays). A speculative lane's server must say, once up, that it set speculative
+decoding up (GET /slots): one that did not would decode plainly under the lane's name, and its lane is dropped.
 
 The binary comes from tools/build_llama_server.py (the runtime's vendored llama.cpp, its flags; cached), or from
 --llama-server PATH / SPECEE_LLAMA_SERVER.
@@ -28,7 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specee_edge.bench.runner import Stopwatch, prompt_sampling
+from specee_edge.bench.report import twin_of
+from specee_edge.bench.runner import Stopwatch, one_line, prompt_sampling
 from specee_edge.engine.sampling import GREEDY, SamplingParams
 from specee_edge.errors import SpecEEError
 from specee_edge.runtime.costs import Timing
@@ -40,6 +43,9 @@ SPEC_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngra
 # the fastest at their defaults in a 2-core trial: ngram-mod greedy, ngram-map-k sampled (docs/bench.md)
 DEFAULT_SPEC_TYPES = ("ngram-mod", "ngram-map-k")
 DRAFT = "draft"  # the lane of -md DRAFT (--draft-model)
+# llama.cpp's classic speculation with a separate draft model (common/speculative.cpp). The type must be named:
+# --spec-type defaults to none, and -md alone selects only the drafts a GGUF announces (MTP, DFlash, EAGLE)
+DRAFT_SPEC_TYPE = "draft-simple"
 BUILDER = Path(__file__).resolve().parents[2] / "tools" / "build_llama_server.py"  # in a source checkout
 ENV_BINARY = "SPECEE_LLAMA_SERVER"
 BUILD_MINUTES = "about 30 minutes"  # 40 min measured on a loaded 2-core VM (docs/bench.md)
@@ -112,14 +118,29 @@ class ServerSetup:
                 "-np", "1", "--host", "127.0.0.1", "--port", str(port), *extra]
 
 
-def lane_args(name: str, draft_model: Path | None = None) -> list[str]:
-    """The extra llama-server flags of a lane."""
+def draft_args(setup: ServerSetup, draft_model: Path) -> list[str]:
+    """The draft lane's flags: -md DRAFT with its speculation named (DRAFT_SPEC_TYPE), and the draft pinned as
+    ServerSetup pins the target, else llama.cpp would pick for it: as many layers on the GPU as the target's (-ngld;
+    its default is automatic) and the bench's threads (-td, -tbd). llama.cpp has no context size of a draft's own:
+    the draft's context is the target's -c."""
+    return ["-md", str(draft_model), "--spec-type", DRAFT_SPEC_TYPE, "-ngld", str(setup.placement.n_gpu_layers),
+            "-td", str(setup.threads), "-tbd", str(setup.threads)]
+
+
+def speculates(name: str) -> bool:
+    """Whether a lane's server must speculate: every lane but plain (and plain's repeat)."""
+    return (twin_of(name) or name) != PLAIN
+
+
+def lane_args(name: str, setup: ServerSetup, draft_model: Path | None = None) -> list[str]:
+    """The extra llama-server flags of a lane; a repeat lane's are its twin's."""
+    name = twin_of(name) or name
     if name == PLAIN:
         return []
     if name == DRAFT:
         if draft_model is None:
             raise LlamaServerError("the draft lane needs --draft-model")
-        return ["-md", str(draft_model)]
+        return draft_args(setup, draft_model)
     if name not in SPEC_TYPES:
         raise LlamaServerError(f"unknown --spec-type {name!r}: choose from {', '.join(SPEC_TYPES)}")
     return ["--spec-type", name]
@@ -161,10 +182,24 @@ def completion(answer: dict) -> Completion:
                       drafted=int(timings.get("draft_n", 0)), accepted=int(timings.get("draft_n_accepted", 0)))
 
 
-class LlamaServer:
-    """One llama-server process; a context manager that stops it (terminate, then kill) however the block ends."""
+def why_not_speculating(slots: object) -> str | None:
+    """What GET /slots says against speculation, in a few words; None where every slot has speculative decoding set
+    up (its `speculative`: true). llama-server starts without it where it cannot (a type it did not set up, a
+    context that cannot drop a rejected draft's tokens), and then decodes plainly, its timings without draft_n."""
+    if not isinstance(slots, list) or not slots or not all(isinstance(slot, dict) for slot in slots):
+        return "/slots lists no slots"
+    if any("speculative" not in slot for slot in slots):
+        return "/slots has no `speculative` field (a llama-server of another version?)"
+    plain = [str(slot.get("id", i)) for i, slot in enumerate(slots) if slot["speculative"] is not True]
+    return f"/slots reports speculative false for slot {', '.join(plain)}" if plain else None
 
-    def __init__(self, setup: ServerSetup, extra: Sequence[str] = ()):
+
+class LlamaServer:
+    """One llama-server process; a context manager that stops it (terminate, then kill) however the block ends.
+    speculative: the lane speculates, which the server is asked to confirm once it is up (why_not_speculating): a
+    server that would decode plainly instead is a LlamaServerError, never a lane reported as if it drafted."""
+
+    def __init__(self, setup: ServerSetup, extra: Sequence[str] = (), speculative: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
@@ -174,9 +209,12 @@ class LlamaServer:
                                      stdin=subprocess.DEVNULL)
         try:
             self._wait_ready()
+            if speculative:
+                self._check_speculates()
         except BaseException:
             self.stop()
             raise
+        self.speculates = speculative
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -193,6 +231,26 @@ class LlamaServer:
             time.sleep(0.1)
         self.keep_log = True
         raise LlamaServerError(f"llama-server did not start within {START_TIMEOUT_S:.0f} s (log: {self.log_path})")
+
+    def _check_speculates(self) -> None:
+        why = why_not_speculating(self._get("/slots"))
+        if why is not None:
+            self.keep_log = True
+            raise LlamaServerError(f"llama-server set up no speculative decoding ({why}): the lane would decode "
+                                   f"plainly (log: {self.log_path})")
+
+    def _get(self, path: str) -> object:
+        """The JSON of a GET; a server that does not answer it is a LlamaServerError."""
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=START_TIMEOUT_S) as reply:
+                return json.load(reply)
+        except urllib.error.HTTPError as e:
+            self.keep_log = True
+            raise LlamaServerError(f"llama-server answered {e.code} to {path}: "
+                                   f"{e.read().decode(errors='replace')[:200]}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError) as e:
+            raise LlamaServerError(f"llama-server did not answer {path} ({one_line(e)}) "
+                                   f"(log: {self.log_path})") from None
 
     def last_log_line(self) -> str:
         self.keep_log = True
@@ -252,6 +310,11 @@ class ServerLane:
     outputs: list[list[int]] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
+
+    @property
+    def speculates(self) -> bool:
+        """Its server confirmed speculative decoding at start (LlamaServer's check)."""
+        return self.server.speculates
 
     def answer(self, prompt: Sequence[int], watch: Stopwatch) -> None:
         self.timing.begin_prompt()

@@ -4,6 +4,7 @@ speed/quality trade-off (text and PNG)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import numpy as np
 from rich import box
 from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from specee_edge.runtime.costs import TokenCosts, split_text
 
@@ -20,6 +22,26 @@ LLAMA_CPP_PYTHON = "llama-cpp-python Llama.eval"
 BARE_CONTEXT = "specee-edge Context (bare)"
 TIME_PARTS = ("draft", "layers", "predictor", "verify", "batch", "other", "sample")  # batch: exact mode's verification
 HISTOGRAM_WIDTH = 48  # text cells shared by the histogram's bars (80-column terminals)
+REPEAT = " (repeat)"  # a repeat lane's name: its twin's, then this
+# equal lanes read 1.0x each other: a repeat outside this band of its twin, or whose interval leaves out 1, drifted
+STEADY = (0.98, 1.02)
+
+
+def repeat_of(name: str) -> str:
+    """The name of the repeat lane of `name`: a fresh equal twin of it, run in the same pass."""
+    return name + REPEAT
+
+
+def twin_of(name: str) -> str | None:
+    """The lane a repeat lane repeats; None for a lane that is no repeat."""
+    return name[: -len(REPEAT)] if name.endswith(REPEAT) else None
+
+
+def drifts(ratio: float, interval: tuple[float, float] | None) -> bool:
+    """Whether a repeat's ratio to its equal twin says the machine moved under the run: the ratio outside STEADY,
+    or its interval (where it has one) without 1.0."""
+    low, high = STEADY
+    return not low <= ratio <= high or (interval is not None and not interval[0] <= 1.0 <= interval[1])
 
 
 @dataclass
@@ -64,6 +86,7 @@ class ToolLane:
     identical: float                  # whole greedy answers equal to the Llama.eval lane's
     drafted: int = 0                  # greedy: tokens its speculation drafted (llama-server's draft_n)
     accepted: int = 0                 # ... and the model accepted (draft_n_accepted)
+    speculates: bool = False          # a llama-server lane whose server reported speculative decoding set up
     tok_s_sampled: float | None = None
     speedup_sampled: float | None = None
     drafted_sampled: int = 0
@@ -75,6 +98,48 @@ class ToolLane:
     speedup_sampled_interval: tuple[float, float] | None = None
     speedup_by_category_interval: dict[str, tuple[float, float] | None] = field(default_factory=dict)
     speedup_by_category_sampled_interval: dict[str, tuple[float, float] | None] = field(default_factory=dict)
+
+
+@dataclass
+class RepeatResult:
+    """A repeat lane against its twin in one pass. Both run the same program with the same settings, each fresh,
+    in the same shuffled order as every lane: whatever the ratio reads besides 1.0 is this run's noise, which every
+    other ratio of the run carries too."""
+
+    lane: str                         # the repeat's name: its twin's and " (repeat)"
+    twin: str
+    decoding: str                     # the pass: greedy or sampled
+    ratio: float                      # the repeat's tok/s over its twin's, over every prompt
+    interval: tuple[float, float] | None  # 95%, bootstrapped over the prompts, paired (None for a single prompt)
+    drifted: bool = field(init=False)  # drifts(ratio, interval)
+
+    def __post_init__(self) -> None:
+        self.drifted = drifts(self.ratio, self.interval)
+
+    def reading(self) -> str:
+        """What it read, for the drift line: `llama-server (repeat) read 0.95x its twin (0.93-0.97)`."""
+        sampled = "" if self.decoding == "greedy" else f" {self.decoding}"
+        spread = f" ({self.interval[0]:.2f}-{self.interval[1]:.2f})" if self.interval else ""
+        return f"{self.lane} read {self.ratio:.2f}x its twin{sampled}{spread}"
+
+
+def drift_line(repeats: Sequence[RepeatResult]) -> str | None:
+    """One line for the top of the report where a repeat drifted (None where none did): a reader weighs every
+    ratio of the run by it."""
+    readings = [repeat.reading() for repeat in repeats if repeat.drifted]
+    if not readings:
+        return None
+    return f"the run drifted: {', '.join(readings)}; ratios in this run carry that much noise"
+
+
+def repeat_rows(repeats: Sequence[RepeatResult]) -> list[tuple[str, str]]:
+    """A row per repeat lane for the run's table: its ratio to its twin in each pass, with the interval."""
+    by_lane: dict[str, list[RepeatResult]] = {}
+    for repeat in repeats:
+        by_lane.setdefault(repeat.lane, []).append(repeat)
+    return [("repeat", f"{lane} against {passes[0].twin}: "
+                       + ", ".join(f"{ratio(r.ratio, r.interval, sep=' ')} {r.decoding}" for r in passes))
+            for lane, passes in by_lane.items()]
 
 
 @dataclass
@@ -202,6 +267,7 @@ class BenchResult:
     # the lanes' order, shuffled per prompt: {seed, greedy, sampled (None with --greedy-only)}, each a list per prompt
     # of lane names in the order they answered
     lane_order: dict = field(default_factory=dict)
+    repeats: list[RepeatResult] = field(default_factory=list)  # each repeat lane against its twin, per pass
 
     @property
     def vanilla_speedup(self) -> float:
@@ -251,7 +317,8 @@ class BenchResult:
     # --- terminal ----------------------------------------------------------------------------
 
     def render(self) -> Group:
-        parts = [self._run(), self._against_llama_cpp(), self._quality(), self._machinery(), self._exact_choices(), self._by_category(),
+        drift = drift_line(self.repeats)
+        parts = [*([Text(drift, style="bold yellow")] if drift else []), self._run(), self._against_llama_cpp(), self._quality(), self._machinery(), self._exact_choices(), self._by_category(),
                  self._time_split(), self._histogram()]
         return Group(*parts, *([self._round_trips()] if self.rpc else []))
 
@@ -298,7 +365,7 @@ class BenchResult:
                              min_width=11 if name.startswith("speed-up") else None)
         for name, lane in self.tools.items():
             drafts = (f"{lane.accepted} / {lane.drafted}; {lane.accepted_sampled} / {lane.drafted_sampled}"
-                      if lane.drafted or lane.drafted_sampled else "-")
+                      if lane.speculates or lane.drafted or lane.drafted_sampled else "-")
             table.add_row(name, f"{lane.tok_s:.1f}", ratio(lane.speedup, lane.speedup_interval),
                           fmt_tok_s(lane.tok_s_sampled), ratio(lane.speedup_sampled, lane.speedup_sampled_interval),
                           drafts)
@@ -340,6 +407,7 @@ class BenchResult:
                                     + f"; {self.looping_answers_sampled} of {self.prompts} answers loop"
                                     if self.repetition_sampled_by_category else "-"),
         ]
+        rows += repeat_rows(self.repeats)
         rows += [("dropped", line) for line in self.dropped]
         rows += [("note", line) for line in self.notes]
         if self.peer and self.peer.speedup_no_loop is not None:

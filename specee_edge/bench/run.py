@@ -18,11 +18,10 @@ from specee_edge.bench.oracle import Oracle, oracle_depths
 from specee_edge.bench.quality import (LOOP_SHARE, NEAR_TIE, Agreement, Perplexity, agreement, batched_replay,
                                       divergence_margins, exact_prefix, perplexity, repetition)
 from specee_edge.bench.lookup_replay import replay_by_category
-from specee_edge.bench.report import (LLAMA_CPP_PYTHON, TIME_PARTS, BenchResult, ExactChoices, ModeResult, RoundTrips,
-                                     RpcResult, ToolLane,
-                                      SampledResult)
+from specee_edge.bench.report import (BARE_CONTEXT, LLAMA_CPP_PYTHON, TIME_PARTS, BenchResult, ExactChoices, ModeResult,
+                                     RepeatResult, RoundTrips, RpcResult, ToolLane, SampledResult, repeat_of, twin_of)
 from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, DRAFT, PLAIN, LlamaServer, LlamaServerError, ServerLane,
-                                            ServerSetup, lane_args)
+                                            ServerSetup, lane_args, speculates)
 from specee_edge.bench.runner import (ContextLane, Lane, PeerLane, SpecEELane, VanillaLane, one_line,
                                       reference_failed, run_lanes)
 from specee_edge.bootstrap import speedup_interval
@@ -73,7 +72,8 @@ class BenchConfig:
     llama_server: Path | None = None  # the llama-server program: its lanes, plain the baseline (None: no such lanes)
     llama_server_asked: bool = False  # its lanes were asked for, even if the program could not be found or built
     spec_types: list[str] = field(default_factory=lambda: list(DEFAULT_SPEC_TYPES))  # a llama-server lane each
-    draft_model: Path | None = None  # a same-vocabulary model: a llama-server lane with -md DRAFT
+    draft_model: Path | None = None  # a same-vocabulary model: a llama-server lane drafting with it (-md DRAFT)
+    repeat: bool = True              # a repeat lane of llama-server plain and of the bare Context: the run's noise
     dropped: list[str] = field(default_factory=list)  # lanes dropped before the run, a line each (a failed build)
     command: str = ""
 
@@ -161,22 +161,32 @@ def run_bench(config: BenchConfig, reporter: Reporter = Silent()) -> BenchResult
 
 
 def server_names(config: BenchConfig) -> list[str]:
-    """The llama-server lanes asked for: plain first, then each --spec-type, then -md DRAFT."""
+    """The llama-server lanes asked for: plain first (the baseline), its repeat, then each --spec-type, then -md
+    DRAFT."""
     if config.llama_server is None:
         return []
-    return [PLAIN, *config.spec_types, *([DRAFT] if config.draft_model else [])]
+    return [PLAIN, *([repeat_of(PLAIN)] if config.repeat else []), *config.spec_types,
+            *([DRAFT] if config.draft_model else [])]
+
+
+def context_names(config: BenchConfig) -> list[str]:
+    """The bare Context lanes: the control, then its repeat. A repeat is a fresh equal twin of a lane, its ratio to
+    it the run's noise (RepeatResult)."""
+    return [BARE_CONTEXT, *([repeat_of(BARE_CONTEXT)] if config.repeat else [])]
 
 
 def open_servers(config: BenchConfig, names: Sequence[str], stack: ExitStack, dropped: list[str],
                  suffix: str = "") -> dict[str, LlamaServer]:
     """A fresh llama-server per lane named, stopped when `stack` closes (success, error or Ctrl+C); a lane whose
-    server does not start is a line in `dropped` (its name, then `suffix`)."""
+    server does not start, or does not speculate where the lane would, is a line in `dropped` (its name, then
+    `suffix`)."""
     setup = ServerSetup(config.llama_server, config.model, config.threads, ENGINE_CTX, config.flash_attn,
                         placement=placement.default()) if names else None
     servers = {}
     for name in names:
         try:
-            servers[name] = stack.enter_context(LlamaServer(setup, lane_args(name, config.draft_model)))
+            servers[name] = stack.enter_context(LlamaServer(setup, lane_args(name, setup, config.draft_model),
+                                                            speculative=speculates(name)))
         except LlamaServerError as e:
             dropped.append(f"{name}{suffix}: {e}")
     return servers
@@ -204,15 +214,25 @@ class DecodePass:
     new Context, new engines, a new peer, new servers); the dropped ones are left out."""
 
     vanilla: VanillaLane
-    context: ContextLane | None
+    contexts: dict[str, ContextLane]  # the bare Context and its repeat, by name
     specee: dict[int, SpecEELane]     # by the engine's index in the run's list
     peer: PeerLane | None
     servers: dict[str, ServerLane]
     order: list[list[str]]            # per prompt, the lanes by name in the order they answered
 
     @property
+    def context(self) -> ContextLane | None:
+        return self.contexts.get(BARE_CONTEXT)
+
+    @property
     def plain(self) -> ServerLane | None:
         return self.servers.get(PLAIN)
+
+    @property
+    def twins(self) -> list[tuple[Lane, Lane]]:
+        """Each repeat lane with the lane it repeats, where both answered the whole pass."""
+        lanes: dict[str, Lane] = {**self.servers, **self.contexts}
+        return [(lane, lanes[twin]) for name, lane in lanes.items() if (twin := twin_of(name)) in lanes]
 
     @property
     def base(self) -> Timing:
@@ -228,13 +248,16 @@ def decode_pass(config: BenchConfig, prompts: Sequence[Sequence[int]], model: Mo
                 engines: dict[int, tuple[str, Engine]], names: Sequence[str], with_peer: bool, sampling: SamplingParams, rng: np.random.Generator,
                 dropped: list[str], what: str, reporter: Reporter) -> DecodePass:
     """Every lane answers every prompt whole, the lanes in an order shuffled per prompt (runner.run_lanes): vanilla
-    (Llama.eval, its context the engines' size: attention over a larger cache costs more), the bare Context, an
-    engine's lane each, the peer (with_peer) and a llama-server per name. A lane that fails is a line in `dropped`."""
+    (Llama.eval, its context the engines' size: attention over a larger cache costs more), the bare Context and its
+    repeat (context_names: each its own Context), an engine's lane each, the peer (with_peer) and a llama-server per
+    name. A lane that fails is a line in `dropped`."""
     suffix = f", {what}"
     llm = vanilla_llama(config)
-    ctx = Context(model, n_ctx=ENGINE_CTX, n_threads=config.threads, flash_attn=config.flash_attn)
+    ctxs = [Context(model, n_ctx=ENGINE_CTX, n_threads=config.threads, flash_attn=config.flash_attn)
+            for _ in context_names(config)]
     vanilla = VanillaLane(llm, config.tokens, model.is_eog, sampling)
-    context = ContextLane(ctx, config.tokens, model.is_eog, sampling)
+    contexts = [ContextLane(ctx, config.tokens, model.is_eog, sampling, name)
+                for ctx, name in zip(ctxs, context_names(config))]
     specee = {i: SpecEELane(mode, engine, config.tokens, sampling) for i, (mode, engine) in engines.items()}
     peer = None
     try:
@@ -245,17 +268,18 @@ def decode_pass(config: BenchConfig, prompts: Sequence[Sequence[int]], model: Mo
         with ExitStack() as stack:
             servers = open_servers(config, names, stack, dropped, suffix if what != "greedy" else "")
             server_lanes = [ServerLane(name, server, config.tokens, sampling) for name, server in servers.items()]
-            lanes: list[Lane] = [vanilla, context, *specee.values(), *([peer] if peer else []), *server_lanes]
+            lanes: list[Lane] = [vanilla, *contexts, *specee.values(), *([peer] if peer else []), *server_lanes]
             log = run_lanes(prompts, lanes, rng, reporter.task(f"decoding, {what}", len(prompts) * len(lanes)),
                             workers=model.workers)
     finally:
         llm.close()
-        ctx.close()
+        for ctx in ctxs:
+            ctx.close()
         if peer is not None:
             peer.close()
     dropped.extend(f"{lanes[i].name}{suffix}: {message}" for i, message in log.failed.items())
     gone = {id(lanes[i]) for i in log.failed}
-    return DecodePass(vanilla=vanilla, context=None if id(context) in gone else context,
+    return DecodePass(vanilla=vanilla, contexts={lane.name: lane for lane in contexts if id(lane) not in gone},
                       specee={i: lane for i, lane in specee.items() if id(lane) not in gone},
                       peer=None if peer is None or id(peer) in gone else peer,
                       servers={lane.name: lane for lane in server_lanes if id(lane) not in gone},
@@ -279,6 +303,7 @@ def tool_lane(lane: Lane, vanilla: VanillaLane, base: Timing, categories: Sequen
     greedy = lane_speed(lane, vanilla, categories, base)
     result = ToolLane(tok_s=lane.timing.tok_s, speedup=greedy.speedup, identical=greedy.identical,
                       drafted=getattr(lane, "drafted", 0), accepted=getattr(lane, "accepted", 0),
+                      speculates=getattr(lane, "speculates", False),
                       speedup_by_category=greedy.speedup_by_category, speedup_interval=greedy.speedup_interval,
                       speedup_by_category_interval=greedy.speedup_by_category_interval)
     if sampled is not None and vanilla_sampled is not None and base_sampled is not None:
@@ -294,12 +319,11 @@ def tool_lane(lane: Lane, vanilla: VanillaLane, base: Timing, categories: Sequen
 
 
 def tool_lanes(greedy: DecodePass, sampled: DecodePass | None, categories: Sequence[str]) -> dict[str, ToolLane]:
-    """llama-server's lanes, the Llama.eval lane and the bare Context, by name, each greedy and sampled."""
-    lanes: list[Lane] = [*greedy.servers.values(), greedy.vanilla, *([greedy.context] if greedy.context else [])]
+    """llama-server's lanes, the Llama.eval lane and the bare Context lanes, by name, each greedy and sampled."""
+    lanes: list[Lane] = [*greedy.servers.values(), greedy.vanilla, *greedy.contexts.values()]
     others: dict[str, Lane] = {}
     if sampled is not None:
-        others = {lane.name: lane for lane in [*sampled.servers.values(), sampled.vanilla,
-                                               *([sampled.context] if sampled.context else [])]}
+        others = {lane.name: lane for lane in [*sampled.servers.values(), sampled.vanilla, *sampled.contexts.values()]}
     return {lane.name: tool_lane(lane, greedy.vanilla, greedy.base, categories, others.get(lane.name),
                                  sampled.vanilla if sampled else None, sampled.base if sampled else None)
             for lane in lanes}
@@ -365,6 +389,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     vanilla_sampled = second.vanilla if second else None
     rpc_result = rpc_report(model.workers, vanilla, vanilla_sampled) if model.workers else None
     tools = tool_lanes(greedy, second, categories)
+    repeats = repeat_results([("greedy", greedy), *([("sampled", second)] if second else [])])
     baseline = greedy.baseline
     baseline_sampled = second.baseline if second else None
     base_sampled = second.base if second else None
@@ -430,8 +455,22 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
         looping_answers_sampled=sum(share >= LOOP_SHARE for share in repeated_sampled),
         lookup_replay=lookup_replay, lookup_replay_sampled=lookup_replay_sampled,
         seconds=time.perf_counter() - start, command=config.command, rpc=rpc_result, placement=where,
-        lane_order=lane_order,
+        lane_order=lane_order, repeats=repeats,
     )
+
+
+def repeat_results(passes: Sequence[tuple[str, DecodePass]]) -> list[RepeatResult]:
+    """Each repeat lane against its twin in each pass (named by the pass): the ratio over every prompt and its
+    interval, bootstrapped (paired) as every speed-up's is. A twin that decoded nothing gives no ratio, no result."""
+    results = []
+    for what, done in passes:
+        for repeat, twin in done.twins:
+            every = range(len(twin.timing.by_prompt))
+            ratio = speedup_on(repeat.timing, twin.timing, every)
+            if ratio is not None:
+                results.append(RepeatResult(repeat.name, twin.name, what, ratio,
+                                            interval_on(repeat.timing, twin.timing, every)))
+    return results
 
 
 def baseline_notes(asked: bool, baseline: str, baseline_sampled: str | None) -> list[str]:

@@ -122,12 +122,14 @@ class ContextLane(AnswerLane):
     """The floor of our Python path: the runtime's Context, early exit never enabled, a token at a time with the
     engines' draw (Sampler: a numpy argmax greedy, llama.cpp's chain sampled), nothing else: no text, no stop
     strings, no statistics. Its decode and its draw are timed as an engine times them, so that the bench can set
-    an engine's `other` beside the floor's."""
+    an engine's `other` beside the floor's. `name`: another for its repeat lane, a fresh equal twin."""
 
     name = BARE_CONTEXT
 
-    def __init__(self, ctx: Context, max_tokens: int, is_eog: Callable[[int], bool], sampling: SamplingParams = GREEDY):
+    def __init__(self, ctx: Context, max_tokens: int, is_eog: Callable[[int], bool], sampling: SamplingParams = GREEDY,
+                 name: str = BARE_CONTEXT):
         super().__init__(max_tokens, is_eog, sampling)
+        self.name = name
         self.ctx = ctx
         self.decode_ms = 0.0  # summed over the timed steps
         self.sample_ms = 0.0

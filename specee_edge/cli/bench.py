@@ -103,7 +103,11 @@ def bench(
         "llama-server's self-speculative types, a lane each: a comma list of ngram-mod, ngram-simple, ngram-map-k, "
         "ngram-map-k4v, ngram-cache; all; or none (default: ngram-mod,ngram-map-k)"))] = None,
     draft_model: Annotated[Path | None, typer.Option("--draft-model", "-md", help="a small model with the same "
-                                                     "vocabulary: a llama-server lane with -md DRAFT")] = None,
+                                                     "vocabulary: a llama-server lane drafting with it (-md DRAFT "
+                                                     "--spec-type draft-simple)")] = None,
+    repeat: Annotated[bool, typer.Option("--repeat/--no-repeat", help=(
+        "run llama-server plain and the bare Context twice in each pass, the second a fresh equal twin: its ratio "
+        "to the first is the run's noise (a line at the top where it drifted)"))] = True,
     seed: Annotated[int, typer.Option("-s", "--seed", help="the sampled pass's seed (prompt i draws from seed + i in every lane) and the lanes' shuffled order's")] = 0,
     json_path: Annotated[Path | None, typer.Option("--json", help="write the results as JSON here")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="write a PNG here: speedup against agreement and perplexity, the exit layers")] = None,
@@ -139,7 +143,7 @@ def bench(
             tokens=tokens, kv_modes=modes, threads=threads or default_threads(), quality=quality, threshold=threshold,
             ppl_tokens=ppl_tokens, python_policy=python_policy, sampled=sampled, peer=peer, lookup_lane=lookup_lane, seed=seed,
             flash_attn=flash_attn.value,
-            llama_server=server, llama_server_asked=llama_server, spec_types=spec_types, draft_model=draft_model, dropped=dropped, command=" ".join(["specee-edge", *sys.argv[1:]]),
+            llama_server=server, llama_server_asked=llama_server, spec_types=spec_types, draft_model=draft_model, repeat=repeat, dropped=dropped, command=" ".join(["specee-edge", *sys.argv[1:]]),
         )
         with progress_bars() as progress:
             result = run_bench(config, progress)
