@@ -5,8 +5,8 @@ The stock llama-cpp-python sdist is downloaded once, our early-exit sources
 ``patches/*.patch`` (the hooks in llama.cpp's own files) is applied in sorted
 order, and the resulting wheel is built and installed with ``pip``. Wheels are
 cached under a key that covers the version, the sources, the patches, the CMake
-flags, the Python tag, the machine and its CPU's instruction sets, so rebuilding
-only happens when one of those changes.
+flags, the Python tag, the machine and its CPU's instruction sets (and for CUDA,
+the nvcc release), so rebuilding only happens when one of those changes.
 
 Environment:
     CMAKE_ARGS         CMake flags as llama-cpp-python takes them: -DGGML_CUDA=on, -DGGML_VULKAN=on or
@@ -186,6 +186,20 @@ def cuda_architectures(user_args: str, cudaarchs: str, compute_caps: list[str]) 
     return (f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(archs)}",) if archs else ()
 
 
+def nvcc_release() -> str:
+    """The release line of `nvcc --version` ("Cuda compilation tools, release 13.0, V13.0.88"), of the nvcc CMake
+    takes (CUDACXX, else the PATH's): a CUDA build's kernels are that compiler's, so another toolkit is another
+    build ("" where there is none, or it fails)."""
+    nvcc = os.environ.get("CUDACXX") or shutil.which("nvcc")
+    if not nvcc:
+        return ""
+    try:
+        result = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return next((line.strip() for line in result.stdout.splitlines() if "release" in line), "")
+
+
 def cpu_features() -> str:
     """The CPU's instruction-set flags (a native build runs only where they all hold), or its name."""
     try:
@@ -221,7 +235,8 @@ def copy_sources(llama_dir: Path) -> None:
 def compute_key(cmake_args: str, patches: list[Path], python: bool = True, ours: bool = True) -> str:
     """Hash everything that determines the build into a cache key: `patches` (those the build depends on), and with
     python the wheel's Python tag (a program such as llama-server does not depend on it), with ours our sources
-    (a program that never calls the specee API, such as llama-server, runs their hooks idle)."""
+    (a program that never calls the specee API, such as llama-server, runs their hooks idle); for a CUDA build,
+    the nvcc release that compiles its kernels."""
     digest = hashlib.sha256()
 
     def add(label: str, data: bytes) -> None:
@@ -237,6 +252,8 @@ def compute_key(cmake_args: str, patches: list[Path], python: bool = True, ours:
         add("patch-name", patch.name.encode())
         add("patch-bytes", patch.read_bytes())
     add("cmake", cmake_args.encode())
+    if any(m.group(1).lower() == "cuda" for m in BACKEND_ARG.finditer(cmake_args)):
+        add("nvcc", nvcc_release().encode())
     if python:
         add("python", sys.implementation.cache_tag.encode())
     add("machine", platform.machine().encode())

@@ -22,6 +22,7 @@ from specee_edge.engine import GREEDY, Engine, EngineConfig
 from specee_edge.errors import SpecEEError
 from specee_edge.pack import parse_quality
 from specee_edge.runtime import Model, placement, rpc
+from specee_edge.runtime.placement import first_crossing
 from specee_edge.runtime.costs import CostLane, DraftSetup, checked_context, measure_costs
 
 QUESTIONS = ("Explain why the sky is blue.",)  # its answers exit on both sides of the split, flash attention on or off
@@ -113,12 +114,13 @@ def local_stop(pack: str, layers: str, endpoints: tuple[rpc.Endpoint, ...]) -> d
     tokens = engine.generate(prompt, max_tokens=TOKENS, sampling=GREEDY).tokens
     mlp = engine.policy.predictors[max(engine.policy.predictors)]
     setup = DraftSetup(engine.policy.draft.runtime_args(), (mlp.weights, mlp.biases))
-    k, n_layer = engine.policy.k, engine.n_layer
+    k = engine.policy.k
     engine.close()
-    chosen = use_workers(layers, endpoints)
-    layer = chosen.offloaded(n_layer).index(True) - 2  # two before the first remote layer (llama.cpp's placement)
-    lane = CostLane("stop", checked_context(Model(default_model_path()), setup, [layer], threshold=-1.0, n_ctx=512,
-                                            n_threads=THREADS, k=k), layer + 1)
+    use_workers(layers, endpoints)
+    model = Model(default_model_path())
+    layer = first_crossing(model.layer_devices()) - 2  # two before the first remote layer, by llama.cpp's own map
+    lane = CostLane("stop", checked_context(model, setup, [layer], threshold=-1.0, n_ctx=512, n_threads=THREADS, k=k),
+                    layer + 1)
     lane.start(prompt)
     before = rpc.replies(endpoints)
     exits = []

@@ -82,6 +82,7 @@ def test_calibrate_tiny_model_end_to_end(tiny_run):
     for part, (low, high) in costs["share_intervals"].items():  # what the decisions price: shares of a plain token
         assert low <= costs[part] / costs["plain_ms"] <= high
     assert pack.provenance["kv_mode"] == "fill"
+    assert costs["placement"] == "layers 0-5 on CPU; the output on CPU"  # where the costs were timed
     shipped = {level.quality: level for level in pack.levels[:-1]}
     for stats in report.levels:
         assert 0.0 <= stats.agreement <= 1.0 and 0.0 <= stats.exit_rate <= 1.0

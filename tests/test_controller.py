@@ -728,3 +728,40 @@ def test_the_graph_a_plain_step_builds_again_after_probing_steps_is_charged_to_e
         controller.observe(Outcome(Plan(Choice.PLAIN, 0, 10.0), emitted=1, ms=10.0))
     assert controller.plain.value == 10.0 and controller.regraph.value == pytest.approx(3.0)
     assert controller._round_costs(Choice.EXIT, 1, [0.0, 10.0, 14.0])[1].not_drafting == pytest.approx(11.0 + 3.0)
+
+
+def split_controller(split_layer: int | None, steps: list[tuple[int, float]], rounds: int = 4) -> Controller:
+    """A controller (split at `split_layer`, None: one device) that has seen a plain step of 10 ms and, `rounds`
+    times over, an exit round per (exit layer, ms) of `steps`: two drafts, both accepted, both drafting steps
+    exiting at that layer at that cost, then a plain step."""
+    controller = Controller(ExitPrior(acceptance=0.8, exit_share=0.9), split_layer=split_layer)
+    controller.observe(Outcome(Plan(Choice.PLAIN, 0, 0.0), emitted=1, ms=10.0))
+    for _ in range(rounds):
+        for layer, ms in steps:
+            controller.observe(Outcome(Plan(Choice.EXIT, 2, 0.0), emitted=3, ms=2 * ms + 14.0, drafts=2, accepted=2,
+                                       batch_ms=14.0, draft_step_ms=(ms, ms), draft_exit_layers=(layer, layer)))
+            controller.observe(Outcome(Plan(Choice.PLAIN, 0, 0.0), emitted=1, ms=10.0))
+    return controller
+
+
+def test_a_split_models_drafting_steps_are_priced_per_side_not_by_one_median():
+    """Three of every five drafting steps exit before the split at 1 ms, two past it at 20 ms (the CPU's layers after
+    the GPU's): the median of the last five steps is 1 ms, which prices exit rounds far below a plain step. Priced per
+    side, the two are weighed by the share of exits past the split, about 8 ms a step, and plain decoding wins."""
+    steps = [(4, 1.0), (20, 20.0), (4, 1.0), (20, 20.0), (4, 1.0)]
+    one, split = split_controller(None, steps), split_controller(10, steps)
+    assert one.draft_step.value == 1.0 and plan(one, lookup=0, exits=8).choice == Choice.EXIT
+    share = split.past_split.value
+    assert 0.3 < share < 0.5 and (split.draft_step.value, split.draft_step_past.value) == (1.0, 20.0)
+    assert split._exit_step_ms()[0] == pytest.approx(1.0 + share * 19.0)
+    assert plan(split, lookup=0, exits=8).choice == Choice.PLAIN
+    assert split.snapshot()["draft_step_ms_by_side"] == [1.0, 20.0]
+
+
+@pytest.mark.parametrize("layer", [4, 20])
+def test_drafting_steps_all_on_one_side_of_a_split_are_priced_as_on_one_device(layer):
+    steps = [(layer, 3.0), (layer, 1.0), (layer, 2.0)]
+    one, split = split_controller(None, steps), split_controller(10, steps)
+    assert split._exit_step_ms() == one._exit_step_ms()
+    assert split._prices(Choice.EXIT, 8, 0.8) == one._prices(Choice.EXIT, 8, 0.8)
+    assert plan(split, lookup=0, exits=8) == plan(one, lookup=0, exits=8)

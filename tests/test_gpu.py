@@ -1,14 +1,22 @@
 """The patched runtime on a GPU build, against the same library on the CPU (pytest -m gpu; tools/gpu_check.sh).
 
 Tiny random-weight models of every architecture early exit supports, each loaded twice by the same library:
-on the CPU, and offloaded to the GPU fully or in part (the last 2 of their 4 layers: the graph then has
-splits on both backends, a stop must skip the ones after it, and a resume pick up in the right one).
-Stops, resumes, native exits on either side of the split, exact mode's verification batches and every KV
-mode must give the CPU's logits (to the rounding of another backend's kernels), and greedy decoding the
-CPU's tokens except at near-ties (the bench's divergence rule).
+on the CPU, and offloaded to the GPU fully or in part. -ngl counts the output layer, so the partial offloads'
+-ngl 3 puts two of the four layers and the output on the GPU: llama.cpp's way the last two (CPU, then GPU), SpecEE's
+(--offload-first) the first two (GPU, then CPU, then the output back on the GPU). The graph then has splits on both
+backends, a stop must skip the ones after it, and a resume pick up in the right one. Each side's layers are read
+from llama.cpp's own map (Model.layer_devices()) and checked to be the sides the test names; the exits are placed
+on a layer of each. Stops, resumes, native exits on either side of the split, exact mode's verification batches
+and every KV mode must give the CPU's logits (to the rounding of another backend's kernels), and greedy decoding
+the CPU's tokens except at near-ties (the bench's divergence rule).
 
-The tests skip on a build with no GPU backend; SPECEE_GPU_TESTS_ON_CPU=1 runs them there anyway (both
-loads then run on the CPU), which is how tools/gpu_check.sh is rehearsed on a machine with no GPU.
+The tiny models' heads are 16 wide, which CUDA's flash-attention kernels do not take: llama.cpp's `auto` then runs
+attention without them. So each architecture comes again with heads of 64 and flash attention on, where the depth
+mask of a stopped token goes through the device's flash-attention kernel.
+
+The tests skip on a build with no GPU device (every build has RPC, which llama_supports_gpu_offload counts);
+SPECEE_GPU_TESTS_ON_CPU=1 runs them there anyway (both loads then run on the CPU, the map has one side, and each
+side's exit layer is a stand-in), which is how tools/gpu_check.sh is rehearsed on a machine with no GPU.
 """
 
 from __future__ import annotations
@@ -17,42 +25,108 @@ import os
 
 import numpy as np
 import pytest
-from llama_cpp import llama_cpp as _llama
 
 from specee_edge.bench.quality import NEAR_TIE
 from specee_edge.exits import ExitKind
-from specee_edge.runtime import Context, Model
-from specee_edge.runtime.placement import Placement
-from tests.conftest import SUPPORTED_VARIANTS, supported_model_path
+from specee_edge.runtime import Context, Model, rpc
+from specee_edge.runtime.placement import Placement, describe_devices
+from tests.conftest import SUPPORTED_VARIANTS, tiny_model_path
 from tests.test_exits import PROMPT, always, drafted_context
 from tests.test_runtime import TINY_PROMPT, early_exit_context, forced_exit_run, greedy, stop_at, top_k
 
 pytestmark = pytest.mark.gpu
 
 N_LAYER = 4  # the tiny models'
-OFFLOADS = {"partial": 2, "full": 99}  # the last 2 layers on the GPU (the CPU keeps the head), or everything
-CPU_SIDE, GPU_SIDE = 1, 2  # with partial offload, a layer on each side of the split
+CPU, DEVICE = "CPU", "device"  # the sides of a split
+# by name: the placement, and the sides llama.cpp's map must give its repeating layers, in the order a token runs
+# through them (the output layer is on the GPU in each)
+OFFLOADS = {"partial": (Placement(3), (CPU, DEVICE)),
+            "first": (Placement(3, offload_first=True), (DEVICE, CPU)),
+            "full": (Placement(99), (DEVICE,))}
+STAND_INS = {CPU: 1, DEVICE: 2}  # each side's exit layer where every layer is on the CPU (the rehearsal)
+WIDE_HEADS = {"n_embd": 128, "n_head": 2, "n_head_kv": 1}  # heads of 64: CUDA's flash attention takes them
+# by name: the tiny model's shape and the flash attention its contexts ask for
+VARIANTS = {**{name: (shape, "auto") for name, shape in SUPPORTED_VARIANTS.items()},
+            **{f"{name}-fa64": ({**shape, **WIDE_HEADS}, "on") for name, shape in SUPPORTED_VARIANTS.items()}}
 STEPS = 16
+GGML_BACKEND_DEVICE_TYPES_GPU = (1, 2)  # ggml_backend_dev_type's GPU and IGPU
+
+
+def device_present() -> bool:
+    """Whether ggml has a GPU device (dedicated or integrated) to offload to."""
+    return any(rpc.libggml.ggml_backend_dev_by_type(kind) for kind in GGML_BACKEND_DEVICE_TYPES_GPU)
 
 
 def offload_available() -> bool:
-    return bool(_llama.llama_supports_gpu_offload()) or os.environ.get("SPECEE_GPU_TESTS_ON_CPU") == "1"
+    return device_present() or os.environ.get("SPECEE_GPU_TESTS_ON_CPU") == "1"
+
+
+def side_runs(devices: list[str]) -> tuple[str, ...]:
+    """The sides of the repeating layers in llama.cpp's map (Model.layer_devices(): each layer's device, then the
+    output's), in the order a token runs through them: ("CPU", "device") for llama.cpp's partial offload."""
+    runs: list[str] = []
+    for device in devices[:-1]:
+        side = CPU if device == "CPU" else DEVICE
+        if not runs or runs[-1] != side:
+            runs.append(side)
+    return tuple(runs)
+
+
+def exit_layers(devices: list[str]) -> dict[str, int]:
+    """Per side of llama.cpp's map, the layer its tests exit at: the side's last layer before the model's last."""
+    layers = {}
+    for il, device in enumerate(devices[: N_LAYER - 1]):
+        layers[CPU if device == "CPU" else DEVICE] = il
+    return layers
 
 
 @pytest.fixture(scope="module", params=list(OFFLOADS))
-def offload(request) -> int:
+def offload(request) -> str:
     if not offload_available():
-        pytest.skip("this llama-cpp-python build has no GPU backend (SPECEE_GPU_TESTS_ON_CPU=1 runs these anyway)")
-    return OFFLOADS[request.param]
+        pytest.skip("this llama-cpp-python build has no GPU device (SPECEE_GPU_TESTS_ON_CPU=1 runs these anyway)")
+    return request.param
 
 
-@pytest.fixture(scope="module", params=list(SUPPORTED_VARIANTS))
-def models(request, tiny_dir, offload) -> tuple[Model, Model]:
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def flash_attn(variant) -> str:
+    return VARIANTS[variant][1]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir, variant, offload) -> tuple[Model, Model]:
     """The same tiny model on the CPU and offloaded."""
-    path = supported_model_path(tiny_dir, request.param)
-    cpu, gpu = Model(path), Model(path, placement=Placement(offload))
+    shape, _ = VARIANTS[variant]
+    path = tiny_model_path(tiny_dir, variant.split("-")[0], **shape)
+    cpu, gpu = Model(path), Model(path, placement=OFFLOADS[offload][0])
     assert cpu.info.n_layer == N_LAYER
     return cpu, gpu
+
+
+@pytest.fixture(scope="module")
+def sides(models, offload) -> dict[str, int]:
+    """The exit layer on each side of the offloaded model's split, read from llama.cpp's own map, which must have
+    the sides the test names (where every layer is on the CPU, the rehearsal, each side's stand-in)."""
+    devices = models[1].layer_devices()
+    expected = OFFLOADS[offload][1]
+    if not device_present():
+        assert set(devices) == {"CPU"}, describe_devices(devices)
+        return {side: STAND_INS[side] for side in expected}
+    layers = exit_layers(devices)
+    assert (side_runs(devices), devices[-1] != "CPU", set(layers)) == (expected, True, set(expected)), \
+        describe_devices(devices)
+    return layers
+
+
+def on_side(sides: dict[str, int], side: str) -> int:
+    """The exit layer on `side` (a test of a side the offload does not have is skipped)."""
+    if side not in sides:
+        pytest.skip(f"no layer on the {side} side")
+    return sides[side]
 
 
 def assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
@@ -70,13 +144,13 @@ def logits_after(ctx: Context, prompt: list[int], tokens: list[int]) -> np.ndarr
     return np.array(steps)
 
 
-def test_greedy_is_the_cpus_but_at_near_ties(models):
+def test_greedy_is_the_cpus_but_at_near_ties(models, flash_attn):
     cpu, gpu = models
     prompt = cpu.tokenize(TINY_PROMPT)
-    reference = greedy(Context(cpu, n_ctx=128), prompt, STEPS)
+    reference = greedy(Context(cpu, n_ctx=128, flash_attn=flash_attn), prompt, STEPS)
     # both fed the CPU's tokens: each step compared on the same text
-    on_cpu = logits_after(Context(cpu, n_ctx=128), prompt, reference[:-1])
-    on_gpu = logits_after(Context(gpu, n_ctx=128), prompt, reference[:-1])
+    on_cpu = logits_after(Context(cpu, n_ctx=128, flash_attn=flash_attn), prompt, reference[:-1])
+    on_gpu = logits_after(Context(gpu, n_ctx=128, flash_attn=flash_attn), prompt, reference[:-1])
     assert_close(on_gpu, on_cpu)
     for step, (c, g) in enumerate(zip(on_cpu, on_gpu)):
         if int(np.argmax(g)) != int(np.argmax(c)):
@@ -84,13 +158,14 @@ def test_greedy_is_the_cpus_but_at_near_ties(models):
             assert top2[1] - top2[0] < NEAR_TIE, f"step {step}: the GPU's token differs where the CPU's was clear"
 
 
-@pytest.mark.parametrize("layer", [CPU_SIDE, GPU_SIDE])
-def test_stop_and_resume_give_the_cpus_logits(models, layer):
+@pytest.mark.parametrize("side", [CPU, DEVICE])
+def test_stop_and_resume_give_the_cpus_logits(models, sides, side, flash_attn):
+    layer = on_side(sides, side)
     cpu, gpu = models
     prompt = cpu.tokenize(TINY_PROMPT)
     results = []
     for model in (cpu, gpu):
-        ctx = early_exit_context(model, "mask")
+        ctx = early_exit_context(model, "mask", flash_attn=flash_attn)
         ctx.set_probe_layers([layer])
         ctx.set_probe_callback(stop_at(layer))
         ctx.decode(prompt)
@@ -106,17 +181,18 @@ def test_stop_and_resume_give_the_cpus_logits(models, layer):
     assert gpu_first == cpu_first
     assert_close(gpu_stop, cpu_stop)
     assert_close(gpu_resumed, cpu_resumed)
-    plain = Context(cpu, n_ctx=128)
+    plain = Context(cpu, n_ctx=128, flash_attn=flash_attn)
     plain.decode(prompt + [cpu_first])
     assert_close(gpu_resumed, plain.logits())  # a resumed token is a token that never stopped
 
 
 @pytest.mark.parametrize("kind", [ExitKind.HEAD_FREE, ExitKind.VERIFIED])
-@pytest.mark.parametrize("layer", [CPU_SIDE, GPU_SIDE])
-def test_native_exits_fire_on_either_side_of_the_split(models, layer, kind):
+@pytest.mark.parametrize("side", [CPU, DEVICE])
+def test_native_exits_fire_on_either_side_of_the_split(models, sides, side, kind, flash_attn):
+    layer = on_side(sides, side)
     steps = []
     for model in models:
-        ctx = drafted_context(model)  # the same random draft head on both
+        ctx = drafted_context(model, flash_attn=flash_attn)  # the same random draft head on both
         always(model, ctx, [layer], kind)
         ctx.decode(PROMPT)
         ctx.decode([4])
@@ -132,12 +208,12 @@ def test_native_exits_fire_on_either_side_of_the_split(models, layer, kind):
     assert_close(gpu_logits[scored], cpu_logits[scored])
 
 
-def test_a_verification_batch_gives_the_cpus_rows_and_next_draft(models):
+def test_a_verification_batch_gives_the_cpus_rows_and_next_draft(models, sides, flash_attn):
     n_rows = len(PROMPT) - 4
     runs = []
     for model in models:
-        ctx = drafted_context(model)
-        always(model, ctx, [GPU_SIDE], ExitKind.HEAD_FREE)
+        ctx = drafted_context(model, flash_attn=flash_attn)
+        always(model, ctx, [sides[DEVICE]], ExitKind.HEAD_FREE)
         ctx.decode(PROMPT[:4])
         ctx.decode(PROMPT[4:], output_all=True)  # exact mode's verification batch
         rows = np.array([ctx.logits(i) for i in range(n_rows)])
@@ -151,10 +227,11 @@ def test_a_verification_batch_gives_the_cpus_rows_and_next_draft(models):
 
 
 @pytest.mark.parametrize("mode", ["mask", "fill", "full"])
-def test_kv_modes_give_the_cpus_logits(models, mode):
+def test_kv_modes_give_the_cpus_logits(models, sides, mode, flash_attn):
     cpu, gpu = models
     prompt = cpu.tokenize(TINY_PROMPT)
-    continuation = greedy(Context(cpu, n_ctx=128), prompt, STEPS)
-    on_cpu, on_gpu = (forced_exit_run(early_exit_context(model, mode), prompt, continuation, exit_layer=GPU_SIDE)
+    continuation = greedy(Context(cpu, n_ctx=128, flash_attn=flash_attn), prompt, STEPS)
+    on_cpu, on_gpu = (forced_exit_run(early_exit_context(model, mode, flash_attn=flash_attn), prompt, continuation,
+                                      exit_layer=sides[DEVICE])
                       for model in (cpu, gpu))
     assert_close(on_gpu, on_cpu)

@@ -196,3 +196,21 @@ def test_the_sdist_installs_and_generates_in_a_fresh_environment(tmp_path, build
     located = subprocess.run([python, "-c", "import llama_cpp, specee_edge; print(llama_cpp.__file__, specee_edge.__file__)"],
                              capture_output=True, text=True, env=env, cwd=tmp_path, check=True).stdout.split()
     assert all(Path(p).is_relative_to(venv) for p in located)
+
+
+def test_a_cuda_builds_key_holds_the_nvcc_release_and_no_other_builds_does(build_env, tmp_path):
+    """Another CUDA toolkit compiles other kernels: a new nvcc is a new build. A CPU build never asks for nvcc."""
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'nvcc: NVIDIA (R) Cuda compiler driver'\n"
+                    "echo \"Cuda compilation tools, release $RELEASE\"\necho 'Build cuda_13.0'\n")
+    nvcc.chmod(0o755)
+    build_env.setenv("CUDACXX", str(nvcc))
+    build_env.setenv("RELEASE", "12.4, V12.4.131")
+    assert build_runtime.nvcc_release() == "Cuda compilation tools, release 12.4, V12.4.131"
+    cuda, cpu = "-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90", "-DGGML_NATIVE=OFF"
+    keys = (build_runtime.compute_key(cuda, []), build_runtime.compute_key(cpu, []))
+    build_env.setenv("RELEASE", "13.0, V13.0.88")
+    assert build_runtime.compute_key(cuda, []) != keys[0]
+    assert build_runtime.compute_key(cpu, []) == keys[1]
+    build_env.setenv("CUDACXX", str(tmp_path / "missing"))
+    assert build_runtime.nvcc_release() == ""

@@ -1,44 +1,25 @@
-"""Where a model's layers run (specee_edge/runtime/placement.py): llama.cpp's -ngl map and SpecEE's first-layers map,
-the flags that pin the same split in llama-server and llama-cpp-python, and the patched loader on this build.
+"""Where a model's layers run (specee_edge/runtime/placement.py): the flags that pin the same split in llama-server
+and llama-cpp-python, the command line's values, and the patched loader on this build.
 
-The first-layers map on real devices is tested over RPC workers on loopback (tests/test_rpc.py) and on a GPU
-backend (tests/test_offload.py, `make test-vulkan`): there llama.cpp's own layer-to-device map is read back
-through llama_specee_layer_device and must be the one Placement.offloaded predicts.
+Which device each layer gets is llama.cpp's map, read back through llama_specee_layer_device (Model.layer_devices()),
+never restated here: it is checked where there are devices, over RPC workers on loopback (tests/test_rpc.py) and on a
+GPU backend (tests/test_gpu.py and tests/test_offload.py: each side of a split is where the test names it).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from specee_edge.engine import Engine, EngineConfig
 from specee_edge.errors import SpecEEError
+from specee_edge.pack import read_pack, write_pack
 from specee_edge.runtime import Context, Model
 from specee_edge.runtime.placement import (ALL_LAYERS, OFFLOAD_FIRST_KEY, Placement, describe_devices, first_crossing,
                                            parse_gpu_layers, parse_tensor_overrides, parse_tensor_split)
-from tests.conftest import supported_model_path
+from tests.conftest import SHIPPED_PACK, supported_model_path
 from tests.test_runtime import TINY_PROMPT, greedy
-
-N_LAYER = 32  # Llama-2-7B's, the paper's model
-
-
-def test_ngl_counts_the_output_layer_and_offloads_the_last_layers_as_llama_cpp_does():
-    offloaded = Placement(17).offloaded(N_LAYER)
-    assert len(offloaded) == N_LAYER + 1 and offloaded[-1]  # the output layer is one of the 17
-    assert [il for il, on in enumerate(offloaded[:-1]) if on] == list(range(16, 32))
-
-
-def test_offload_first_takes_the_first_layers_and_the_same_count():
-    offloaded = Placement(17, offload_first=True).offloaded(N_LAYER)
-    assert offloaded[-1]
-    assert [il for il, on in enumerate(offloaded[:-1]) if on] == list(range(16))
-    assert sum(offloaded) == sum(Placement(17).offloaded(N_LAYER))  # same -ngl, same device memory
-
-
-@pytest.mark.parametrize("first", [False, True])
-def test_no_layers_one_layer_and_all_layers_mean_the_same_either_way(first):
-    assert not any(Placement(0, offload_first=first).offloaded(N_LAYER))
-    assert Placement(1, offload_first=first).offloaded(N_LAYER) == [False] * N_LAYER + [True]  # the output only
-    assert all(Placement(ALL_LAYERS, offload_first=first).offloaded(N_LAYER))
-    assert all(Placement(N_LAYER + 1, offload_first=first).offloaded(N_LAYER))
 
 
 def test_llama_server_gets_the_same_split_pinned():
@@ -48,7 +29,7 @@ def test_llama_server_gets_the_same_split_pinned():
 
 
 def test_the_command_lines_values_parse_with_one_line_errors():
-    assert parse_gpu_layers("all") == parse_gpu_layers("-1") == ALL_LAYERS
+    assert parse_gpu_layers("all") == parse_gpu_layers("auto") == parse_gpu_layers("-1") == ALL_LAYERS  # no fitting
     assert parse_gpu_layers("16") == 16
     assert parse_tensor_split("3,1") == (3.0, 1.0) and parse_tensor_split(None) == ()
     for bad in ("half", "-2"):
@@ -113,3 +94,26 @@ def test_the_first_crossing_is_the_first_layer_on_another_device():
     assert first_crossing(["CPU"] * 6 + ["CUDA0"] * 2 + ["CUDA0"]) == 6  # stock -ngl 3
     assert first_crossing(["CPU"] * 8 + ["CPU"]) is None
     assert first_crossing(["CPU"] * 8 + ["CUDA0"]) is None  # only the output offloaded: no layer crosses
+
+
+def test_a_pack_priced_with_its_layers_elsewhere_says_so_in_one_line(default_model, tmp_path):
+    """Calibration records where the layers ran when it timed the costs (TokenCosts.placement): a pack run with them
+    placed otherwise gets one line, the same placement or a pack that recorded none gets nothing."""
+    from specee_edge.cli.render import level_warning
+
+    pack = read_pack(SHIPPED_PACK)
+    here = default_model.placement_text()
+    notes = {}
+    for name, placement in (("same", here), ("split", "layers 0-14 on CUDA0, layers 15-29 on CPU; the output on CUDA0"),
+                            ("none", None)):
+        costs = {**pack.provenance.get("costs_ms", {}), "placement": placement}
+        path = write_pack(tmp_path / f"{name}.specee.gguf",
+                          dataclasses.replace(pack, provenance={**pack.provenance, "costs_ms": costs}))
+        engine = Engine(default_model.info.path, pack=path, config=EngineConfig(n_ctx=256, n_threads=1))
+        notes[name] = (engine.placement_note(), level_warning(engine))
+        engine.close()
+    assert notes["same"][0] is notes["none"][0] is None and notes["same"][1] == notes["none"][1]
+    note, warning = notes["split"]
+    assert note.startswith("the pack was priced with layers 0-14 on CUDA0") and f"not {here}" in note
+    assert "\n" not in note and note in warning
+

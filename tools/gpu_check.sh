@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check in one command, on a machine with no network (docs/runtime.md, "GPU check"): build the patched
 # runtime for the GPU present from the bundle tools/gpu_bundle.py made (pruned sdist, the wheels the machine
-# lacks), run tests/test_gpu.py, then time the runtime on real model shapes and predict the speed-ups there
-# (tools/gpu_costs.py, which takes this script's arguments).
+# lacks; tools/gpu_env.sh, shared with tools/gpu_pc_scenario.sh), run tests/test_gpu.py and tests/test_offload.py,
+# then time the runtime on real model shapes and predict the speed-ups there (tools/gpu_costs.py, which takes this
+# script's arguments).
 #
 #   tools/gpu_check.sh                                          on the GPU machine
 #   SPECEE_BACKEND=cpu tools/gpu_check.sh --llama2-layers 2     the rehearsal on a machine with no GPU
@@ -14,43 +15,29 @@
 # and the tables are copied there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-BUNDLE=${SPECEE_GPU_BUNDLE:-.gpu-bundle}
-WORK=${SPECEE_GPU_WORK:-/tmp/specee-gpu-check}
-export SPECEE_BACKEND=${SPECEE_BACKEND:-cuda} SPECEE_CACHE=$WORK/cache PYTHONUNBUFFERED=1
 # the cost table skips the shapes it could not time before this (a one-command limit of 9 minutes, 40 s to spare)
 deadline=$(( $(date +%s) + ${SPECEE_GPU_BUDGET_S:-500} ))
 if [ -n "${OUT:-}" ]; then
     exec > >(tee "$OUT/gpu_check.log") 2>&1
-    trap 'cp "$WORK"/cache/logs/build-*.log "$OUT"/ 2>/dev/null || true' EXIT  # the build's full log, if it ran
+    trap 'cp "${WORK:-/nonexistent}"/cache/logs/build-*.log "$OUT"/ 2>/dev/null || true' EXIT  # the build's full log, if it ran
 fi
-step() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
-
-sdist=$(ls "$BUNDLE"/llama_cpp_python-*.tar.gz 2>/dev/null | head -n 1 || true)
-if [ -z "$sdist" ]; then
-    echo "error: no llama-cpp-python sdist in $BUNDLE: run tools/gpu_bundle.py where there is a network" >&2
-    exit 2
+source tools/gpu_env.sh
+sdist=$(bundle_sdist)
+if [ "$SPECEE_BACKEND" != cuda ]; then
+    export SPECEE_GPU_TESTS_ON_CPU=1  # the GPU tests' comparisons run with both loads on the CPU
 fi
-step "installing $(ls "$BUNDLE"/wheels/*.whl | xargs -n 1 basename | tr '\n' ' ')into $WORK/site"
-"$PYTHON" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$WORK/site" "$BUNDLE"/wheels/*.whl
-export PYTHONPATH="$WORK/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+build_runtime "$sdist"
 
-if [ "$SPECEE_BACKEND" = cuda ]; then
-    if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
-    if [ -d /usr/local/cuda/lib64 ]; then export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
-    nvcc --version | tail -n 1
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    # the build is for the GPU present (build_runtime.py asks nvidia-smi), and the package loads the system
-    # libstdc++ before a CUDA build's libllama (specee_edge/libstdcxx.py)
-else
-    export SPECEE_GPU_TESTS_ON_CPU=1  # tests/test_gpu.py's comparisons run with both loads on the CPU
+# tests/test_offload.py runs the default model: installed, or carried in pieces (tools/gpu_bundle.py --models)
+gpu_tests=(tests/test_gpu.py tests/test_offload.py)
+if ! "$PYTHON" -c 'from specee_edge.default_model import default_model_path; default_model_path()' 2>/dev/null \
+        && ! { [ -f "$BUNDLE/models/manifest.json" ] && join_models >/dev/null; }; then
+    step "no default model here: tests/test_offload.py left out (tools/gpu_bundle.py --models carries it)"
+    gpu_tests=(tests/test_gpu.py)
 fi
-step "building the patched runtime ($SPECEE_BACKEND, ${SPECEE_CMAKE_ARGS:-no extra flags}) on $(nproc) cores"
-"$PYTHON" tools/build_runtime.py --sdist "$sdist" --target "$WORK/site"
-
-step "tests/test_gpu.py"
+step "${gpu_tests[*]}"
 tests=0
-"$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py || tests=$?
+"$PYTHON" -m pytest -q -m gpu -p no:cacheprovider "${gpu_tests[@]}" || tests=$?
 
 step "cost table"
 "$PYTHON" tools/gpu_costs.py --until "$deadline" ${OUT:+--json "$OUT/gpu_costs.json"} "$@"

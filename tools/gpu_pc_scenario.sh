@@ -11,33 +11,18 @@
 #
 # The model pieces travel one per device call while the machine stays warm (carry .gpu-bundle/models/piece-NN);
 # `measure` names any that are missing. Environment: as tools/gpu_check.sh (SPECEE_BACKEND, PYTHON,
-# SPECEE_GPU_BUNDLE, SPECEE_GPU_WORK, OUT), and SPECEE_BENCH_ARGS (-p 8 -n 64: the prompts and tokens per run).
+# SPECEE_GPU_BUNDLE, SPECEE_GPU_WORK: tools/gpu_env.sh, which both source; OUT), and SPECEE_BENCH_ARGS (-p 8 -n 64:
+# the prompts and tokens per run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 step_name=${1:?usage: tools/gpu_pc_scenario.sh build|measure}
-PYTHON=${PYTHON:-python3}
-BUNDLE=${SPECEE_GPU_BUNDLE:-.gpu-bundle}
-WORK=${SPECEE_GPU_WORK:-/tmp/specee-gpu-check}
-export SPECEE_BACKEND=${SPECEE_BACKEND:-cuda} SPECEE_CACHE=$WORK/cache PYTHONUNBUFFERED=1
-export PYTHONPATH="$WORK/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "${OUT:-}" ]; then exec > >(tee -a "$OUT/gpu_pc_scenario.log") 2>&1; fi
-step() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
-
-if [ "$SPECEE_BACKEND" = cuda ]; then
-    if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
-    if [ -d /usr/local/cuda/lib64 ]; then export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
-    # the builds are for the GPU present (build_runtime.py asks nvidia-smi), and the package loads the system
-    # libstdc++ before a CUDA build's libllama (specee_edge/libstdcxx.py)
-fi
-sdist=$(ls "$BUNDLE"/llama_cpp_python-*.tar.gz 2>/dev/null | head -n 1 || true)
-[ -n "$sdist" ] || { echo "error: no sdist in $BUNDLE: run tools/gpu_bundle.py --models where there is a network" >&2; exit 2; }
+source tools/gpu_env.sh
+sdist=$(bundle_sdist)
 
 case "$step_name" in
 build)
-    step "installing the bundle's wheels into $WORK/site"
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$WORK/site" "$BUNDLE"/wheels/*.whl
-    step "building the patched runtime ($SPECEE_BACKEND) on $(nproc) cores"
-    "$PYTHON" tools/build_runtime.py --sdist "$sdist" --target "$WORK/site"
+    build_runtime "$sdist"
     step "building llama-server from the same tree"
     "$PYTHON" tools/build_llama_server.py --sdist "$sdist" | tail -n 1
     step "built"
@@ -45,16 +30,10 @@ build)
 measure)
     server=$("$PYTHON" tools/build_llama_server.py --print-path) || { echo "error: run the build step first" >&2; exit 2; }
     export SPECEE_LLAMA_SERVER=$server
-    models=$("$PYTHON" tools/gpu_bundle.py --join "$BUNDLE/models" "$WORK/models")
+    models=$(join_models)
     for model in $models; do
-        n_layer=$("$PYTHON" - "$model" <<'EOF'
-import sys
-import gguf
-reader = gguf.GGUFReader(sys.argv[1])
-arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-print(int(reader.fields[f"{arch}.block_count"].parts[-1][0]))
-EOF
-)
+        n_layer=$("$PYTHON" -c 'import sys; from specee_edge.gguf_index import GGUFIndex; g = GGUFIndex(sys.argv[1])
+print(g.value(g.value("general.architecture") + ".block_count"))' "$model")
         half=$(( n_layer / 2 + 1 ))  # -ngl counts the output layer: half the repeating layers and the output
         name=$(basename "$model" .gguf)
         for placement in "all" "$half" "$half --offload-first"; do

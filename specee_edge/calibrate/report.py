@@ -103,6 +103,7 @@ class CalibrationReport:
             ("draft vocabulary (coverage)", f"{d.vocab} ({d.vocab_coverage:.2f})"),
             ("recall@1 / @k / after an exit", f"{d.recall_at_1:.3f} / {d.recall_at_k:.3f} / {d.recall_at_k_after_exit:.3f}"),
             ("recall@k with prompt lookup", f"{d.recall_at_k_merged:.3f}"),
+            *([("where the layers ran", c["placement"])] if c.get("placement") else []),
             ("a token, plain decoding", f"{plain:.2f} ms"),
             ("a layer / its depth mask / the LM head",
              f"{c['layer_ms']:.3f} / {c.get('mask_ms', 0.0):.3f} / {c['head_ms']:.3f} ms"),

@@ -34,7 +34,8 @@ NPredict = Annotated[int, typer.Option("-n", "--n-predict", help="tokens to gene
 CtxSize = Annotated[int, typer.Option("-c", "--ctx-size", help="context size in tokens (0: the model's)")]
 GpuLayers = Annotated[str | None, typer.Option("-ngl", "--n-gpu-layers", show_default=False,
                                                 help="layers to offload to the GPU or the --rpc workers: a number, or all"
-                                                     " (default: all with --rpc, else 0)")]
+                                                     " (auto and -1 mean all too: unlike llama.cpp, nothing is fitted"
+                                                     " to the free memory; default: all with --rpc, else 0)")]
 OffloadFirst = Annotated[bool, typer.Option("--offload-first", help=(
     "SpecEE's placement: -ngl offloads the FIRST layers (and the output layer) instead of llama.cpp's last ones, so"
     " that a token leaving early skips the layers left on the CPU; same -ngl, same device memory"))]

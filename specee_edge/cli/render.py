@@ -33,12 +33,13 @@ def exit_setting(engine: Engine) -> str | None:
 def level_warning(engine: Engine) -> str | None:
     """One line when the level in use was measured to change whole answers: fewer than IDENTICAL_FLOOR of
     its held-out greedy answers (to code prompts, where there were some) came out identical to the full
-    model's; or when the engine runs another KV mode than the one its figures were measured in."""
+    model's; or when the engine runs another KV mode than the one its figures were measured in; or, at any
+    level, when the layers run where the pack's costs were not measured (Engine.placement_note)."""
+    notes = [note] if engine.early_exit and (note := engine.placement_note()) else []
     policy = engine.policy
     level = policy.level if policy and engine.early_exit and policy.threshold is None else None
     if level is None or level.off or level.exact:  # exact mode keeps the full model's answers
-        return None
-    notes = []
+        return "; ".join(notes) or None
     whole = level.whole_answers
     if 0 <= whole < IDENTICAL_FLOOR:
         what = "code answers" if level.identical_code >= 0 else "answers"

@@ -7,9 +7,11 @@ After each emitted token, exact mode can spend the next round in one of three wa
     exit    m drafts from early exits (a pack's draft head and predictors), checked alike
 
 Whether drafting pays is a property of the machine and of the text, not of the model: on a 2-core CPU a batch
-of 4 rows costs 1.75-2.5 single steps, on a GPU about one; a looping answer accepts most drafts, a fresh one
-few. So the controller measures both while it decodes and prices each choice in milliseconds per emitted
-token. A round of m drafts, each accepted with probability a once those before it were, emits
+of 4 rows costs 1.75-2.5 single steps, on an H200 running models of 135M-1.5B parameters 1.7-1.8 (their steps
+wait on kernel launches, docs/gpu_h200_costs.txt; on a GPU, a model whose steps read its weights should cost
+less per row, not yet timed); a looping answer accepts most drafts, a fresh one few. So the controller measures
+both while it decodes and prices each choice in milliseconds per emitted token. A round of m drafts, each
+accepted with probability a once those before it were, emits
 
     E(m) = 1 + a + a^2 + ... + a^m      tokens (the accepted drafts, then one correction or bonus)
 
@@ -19,7 +21,12 @@ length win, as DEL picks a speculation length per context from the acceptance it
 - Costs (a plain step, a batch by its kind and row count, a drafting step, and the graph the plain step after a
   drafting round builds again, which that round is charged) are the medians of the last COST_WINDOW
   times the engine's own rounds took, each with its sampling: they follow the machine when its speed moves,
-  and one hiccup (a page fault, another process) never stands for a cost once it has been measured again. A
+  and one hiccup (a page fault, another process) never stands for a cost once it has been measured again.
+  On a model split between devices (split_layer: the first layer on another device than layer 0, which the
+  engine reads from llama.cpp's layer map), drafting steps that exit before the split and past it are two
+  clusters, up to ten times apart where one side is a GPU and the other a CPU: a median of both would be one
+  cluster's or the other's. So each side keeps its own median, and a drafting step is priced at their mean
+  weighed by the share of exits past the split (a moving average). Without a split, one side: the median. A
   row count not measured yet is interpolated between measured ones, or extrapolated beyond them
   (BatchCosts.curve); before any batch has run, an extra row is guessed at a quarter of a step: an optimistic
   start, so that the first chance to draft measures what batches really cost here.
@@ -157,6 +164,7 @@ class Outcome:
     # exit rounds that drafted: each drafting step, the last one too where it ran every layer (its draft is the full
     # model's token, yet the batch recomputes its cell)
     draft_step_ms: tuple[float, ...] = ()
+    draft_exit_layers: tuple[int | None, ...] = ()  # ... each one's exit layer (None: it ran every layer)
     drafting_ended_full: bool = False      # ... the last drafting step ran every layer (it ended the drafting)
     full_step_ms: float | None = None      # exit rounds: the step that ran every layer when the first did not exit
     greedy: bool = True
@@ -333,7 +341,10 @@ class KeptPrices:
 class Controller:
     """Chooses each round of exact mode; one per engine (costs are the machine's and outlive requests)."""
 
-    def __init__(self, exit_prior: ExitPrior | None = None, always_draft: bool = False):
+    def __init__(self, exit_prior: ExitPrior | None = None, always_draft: bool = False,
+                 split_layer: int | None = None):
+        """split_layer: the first layer on another device than layer 0 (placement.first_crossing; None on one
+        device), where drafting steps that exit past it are priced apart."""
         self._exit_prior = exit_prior or ExitPrior()
         self.always_draft = always_draft
         self.plain = RecentCost()
@@ -342,7 +353,10 @@ class Controller:
         self.regraph = RecentCost()
         # verification batches by kind: an exit round's batch also keeps every row's hidden state for the next draft
         self.batches = {Choice.LOOKUP: BatchCosts(), Choice.EXIT: BatchCosts()}
-        self.draft_step = RecentCost()   # a drafting step of an exit round that exited
+        self.draft_step = RecentCost()   # a drafting step of an exit round that exited (before the split, if any)
+        self.split_layer = split_layer
+        self.draft_step_past = RecentCost()  # ... that exited past the split
+        self.past_split = MovingShare()   # share of the drafting steps that exited past the split
         self.full_step = RecentCost()    # an exit round's step that ran every layer, probes and all
         self.first_exits = MovingShare()  # share of exit rounds whose first step exited
         self.later_exits = MovingShare()  # share of a drafting round's later steps that exited (one that did not ends it)
@@ -545,7 +559,7 @@ class Controller:
         So: batches of two rows and of more measured, and for exit drafts both steps."""
         if batches.reads_plain():
             return False
-        return choice != Choice.EXIT or (self.draft_step.value is not None and self.full_step.value is not None)
+        return choice != Choice.EXIT or (self._draft_step_ms() is not None and self.full_step.value is not None)
 
     def _exit_terms(self, choice: Choice) -> tuple:
         """What an exit round's price reads besides batches and acceptance (nothing for other choices)."""
@@ -584,9 +598,21 @@ class Controller:
         """An exit round's drafting step that exited, and its first step when that ran every layer (guesses from a
         plain step until measured)."""
         plain = self.plain.value
-        step = self.draft_step.value if self.draft_step.value is not None else 0.8 * plain
+        step = self._draft_step_ms()
+        step = step if step is not None else 0.8 * plain
         full = self.full_step.value if self.full_step.value is not None else plain
         return step, full
+
+    def _draft_step_ms(self) -> float | None:
+        """A drafting step that exited (None until measured): its median, or on a split model each side's weighed by
+        the share of exits past the split. A side never measured has a share of exactly 0 (the moving share starts
+        at the first step it counts), so the other side's median alone is that mean."""
+        before, past = self.draft_step.value, self.draft_step_past.value
+        if past is None:
+            return before
+        if before is None:
+            return past
+        return before + self.past_split.value * (past - before)
 
     def _later_exit_share(self) -> float:
         """The chance that a drafting round's step after its first exits (the level's calibrated share until
@@ -757,12 +783,23 @@ class Controller:
             self.full_step.add(outcome.full_step_ms)
         steps = outcome.draft_step_ms
         exited = steps[:-1] if outcome.drafting_ended_full else steps
-        for ms in exited:
-            self.draft_step.add(ms)
+        layers = outcome.draft_exit_layers
+        for i, ms in enumerate(exited):
+            self._add_draft_step(ms, layers[i] if i < len(layers) else None)
         if outcome.drafting_ended_full:
             self.full_step.add(steps[-1])
         for later in range(1, len(steps)):
             self.later_exits.add(later < len(exited))
+
+    def _add_draft_step(self, ms: float, layer: int | None) -> None:
+        """A drafting step that exited at `layer` (None: not told, counted before the split): its side's cost and,
+        on a split model, the share of exits past the split."""
+        if self.split_layer is None:
+            self.draft_step.add(ms)
+            return
+        past = layer is not None and layer >= self.split_layer
+        (self.draft_step_past if past else self.draft_step).add(ms)
+        self.past_split.add(past)
 
     def observe_plain(self, plan: Plan, ms: float, greedy: bool = True) -> float:
         """observe() of a plain step that took `ms` (the engine's most frequent round, told without an Outcome)."""
@@ -816,12 +853,17 @@ class Controller:
     def snapshot(self) -> dict:
         """What the controller has measured, for stats and the bench (ms)."""
         rounded = lambda cost: round(cost.value, 3) if cost.value is not None else None
+        draft_step = self._draft_step_ms()
+        # on a split model, also each side's drafting step (before the split, past it) and the share past it
+        sides = ({"draft_step_ms_by_side": [rounded(self.draft_step), rounded(self.draft_step_past)],
+                  "exits_past_split": rounded(self.past_split)} if self.split_layer is not None else {})
         return {
             "plain_ms": rounded(self.plain),
             "batch_ms": self.batches[Choice.LOOKUP].snapshot(),
             "exit_batch_ms": self.batches[Choice.EXIT].snapshot(),
             "regraph_ms": rounded(self.regraph),
-            "draft_step_ms": rounded(self.draft_step),
+            "draft_step_ms": round(draft_step, 3) if draft_step is not None else None,
+            **sides,
             "first_step_exits": rounded(self.first_exits),
             "later_step_exits": rounded(self.later_exits),
             # the chance that a draft is accepted once those before it were: accepted / (accepted + rejections),

@@ -43,7 +43,7 @@ from specee_edge.pack.format import MAX_DRAFT, ROUND_MAX_DRAFTS
 from specee_edge.registry import entry_for_file
 from specee_edge.runtime import Context, Model
 from specee_edge.runtime.context import StepInfo
-from specee_edge.runtime.placement import Placement
+from specee_edge.runtime.placement import Placement, first_crossing
 from specee_edge.threads import default_threads
 
 # By measurement (docs/bench.md): fill agrees with the full model like `full` and costs about
@@ -151,7 +151,10 @@ class Engine:
             raise SpecEEError(f"unknown speculation {self.config.speculation!r}: choose {' or '.join(SPECULATION)}")
         if not 1 <= self.config.draft_max <= MAX_DRAFT:
             raise SpecEEError(f"draft_max must be in 1..{MAX_DRAFT}, got {self.config.draft_max}")
-        self.controller = Controller(self._exit_prior(), always_draft=self.config.speculation == "always")
+        # a split model's drafting steps cost one thing where they exit before the split and another past it: the
+        # controller prices each side apart, from llama.cpp's own layer map
+        self.controller = Controller(self._exit_prior(), always_draft=self.config.speculation == "always",
+                                     split_layer=first_crossing(self.model.layer_devices()))
         # the first cache position whose K/V an early exit left approximate (filled or masked layers), if any:
         # set by _note_exit, forgotten by _truncate
         self._approximate_from: int | None = None
@@ -179,6 +182,18 @@ class Engine:
         if level is None or not level.exact or not level.acceptance:
             return ExitPrior()
         return ExitPrior(acceptance=level.acceptance, exit_share=max(level.exit_rate, 0.05))
+
+    def placement_note(self) -> str | None:
+        """One line where the pack's costs were measured with the layers placed otherwise than here: its levels were
+        chosen, and its speed figures predicted, from costs that a split changes (None: the same placement, no pack,
+        or a pack that did not record one)."""
+        costs = self.policy.pack.provenance.get("costs_ms") if self.policy else None
+        measured = costs.get("placement") if isinstance(costs, dict) else None
+        here = self.model.placement_text()
+        if not measured or measured == here:
+            return None
+        return (f"the pack was priced with {measured}, not {here}: its levels' speed figures may not hold"
+                " (specee-edge calibrate with this placement prices them here)")
 
     @property
     def early_exit(self) -> bool:
@@ -546,12 +561,14 @@ class Engine:
         told to the controller."""
         t0 = time.perf_counter()
         draft_step_ms: list[float] = []
+        draft_exit_layers: list[int | None] = []
         ended_full = False
         full_step_ms = None
         if plan.choice == Choice.LOOKUP:
             round_, records = self._verify(plan.choice, p, token, lookup[: plan.drafts], [], draw)
         else:
-            round_, records, draft_step_ms, ended_full = self._exit_round(p, token, plan.drafts, draw)
+            round_, records, draft_step_ms, draft_exit_layers, ended_full = self._exit_round(p, token, plan.drafts,
+                                                                                             draw)
             if not round_.drafts:  # the first step did not exit: one full-model token, no batch
                 full_step_ms = records[0].forward_ms + records[0].sample_ms
         # a batch's price includes drawing its rows, as a plain step's includes drawing its one
@@ -560,7 +577,7 @@ class Engine:
         round_.explore_ms = self.controller.observe(Outcome(
             plan, emitted=round_.emitted, ms=(time.perf_counter() - t0) * 1e3, drafts=round_.drafts,
             accepted=round_.accepted, batch_ms=batch_price_ms, draft_step_ms=tuple(draft_step_ms),
-            drafting_ended_full=ended_full,
+            draft_exit_layers=tuple(draft_exit_layers), drafting_ended_full=ended_full,
             full_step_ms=full_step_ms, greedy=draw.params.greedy))
         for record in records:
             record.round = round_
@@ -582,13 +599,13 @@ class Engine:
         return self.policy.max_draft if self.early_exit and not self.policy.idle else 0
 
     def _exit_round(self, p: int, token: int, limit: int,
-                    draw: Sampler) -> tuple[Round, list[TokenRecord], list[float], bool]:
+                    draw: Sampler) -> tuple[Round, list[TokenRecord], list[float], list[int | None], bool]:
         """Drafts from early exits: `token`, then each draft, is decoded alone with exits on; each step's argmax is
         the next draft (after a head-free exit, the candidates'). Drafting stops at a step that runs every layer,
         at `limit` drafts, at an end of generation, or once the drafts' confidence falls below the level's floor.
         If the first step runs every layer, its logits are the full model's own and the cache below it is exact:
-        its token is drawn and nothing is verified. Returns the round, its records, the drafting steps' times (none
-        then), and whether the last of them ran every layer."""
+        its token is drawn and nothing is verified. Returns the round, its records, the drafting steps' times and exit
+        layers (none then), and whether the last of them ran every layer."""
         drafts: list[int] = []
         steps: list[TokenRecord] = []
         feed = token
@@ -598,7 +615,7 @@ class Engine:
             step = self.step(feed)
             steps.append(step)
             if step.exit_layer is None and not drafts:
-                return Round(Choice.EXIT, emitted=1), [self._sample(step, draw)], [], False
+                return Round(Choice.EXIT, emitted=1), [self._sample(step, draw)], [], [], False
             logits = self.ctx.logits()
             drafts.append(int(np.argmax(logits)))
             if draft_stop:  # the confidence costs a softmax over the candidates: only when a floor asks for it
@@ -610,7 +627,8 @@ class Engine:
         # every drafting step is charged, the last too where it ran every layer: the batch recomputes its cell
         draft_step_ms = [s.forward_ms for s in steps]
         ended_full = steps[-1].exit_layer is None
-        return *self._verify(Choice.EXIT, p, token, drafts, steps, draw), draft_step_ms, ended_full
+        return (*self._verify(Choice.EXIT, p, token, drafts, steps, draw), draft_step_ms,
+                [s.exit_layer for s in steps], ended_full)
 
     def _verify(self, choice: Choice, p: int, token: int, drafts: list[int], steps: list[TokenRecord],
                 draw: Sampler) -> tuple[Round, list[TokenRecord]]:

@@ -134,6 +134,7 @@ class CostLane:
     samples: list[float] = field(default_factory=list)  # ms of each timed token
     in_graph_draft: bool = False  # samples are the in-graph draft timer's, not the decode's wall time
     split: int | None = None  # the plain lane: the first layer on another device (the stops are on both sides)
+    placement: str = ""  # ... and where the layers ran (Model.placement_text())
 
     def start(self, prompt: Sequence[int]) -> None:
         self.ctx.clear()
@@ -214,7 +215,7 @@ def cost_lanes(model: Model, setup: DraftSetup, *, n_ctx: int, n_threads: int, k
         ctx.set_probe_callback(lambda il, cand_logits: kind)
         return ctx
 
-    lanes = [CostLane("plain", context(None), n_layer, split=split),
+    lanes = [CostLane("plain", context(None), n_layer, split=split, placement=model.placement_text()),
              CostLane("checked_one", checked([n_layer - 1]), n_layer),
              CostLane("checked_all", checked(list(range(n_layer))), n_layer),
              CostLane("draft", timed_draft(), n_layer, in_graph_draft=True)]
@@ -304,6 +305,9 @@ class TokenCosts:
     split_layer_ms: float = 0.0  # per layer run past the split, beyond layer_ms (the other device's layers)
     crossing_ms: float = 0.0  # a token that runs past the split: its hidden state handed to the other device
     split: int | None = None  # the first layer on another device than layer 0, where its side is priced apart
+    # where the layers ran while timed (Model.placement_text()): the costs, and the levels a pack chose with them,
+    # hold for that placement ("" where not recorded)
+    placement: str = ""
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)  # per part, 95%
     # per part but the plain token, 95%: what the decisions price, since a speed-up is a ratio of costs (a
     # machine that runs faster for a whole run moves the parts in ms together, and these far less)
@@ -315,7 +319,7 @@ class TokenCosts:
         """From rounds of lanes that timed the same tokens (their samples are aligned token by token, and every
         round timed as many); the plain lane names the depth and the split the stops were placed for."""
         plain = next(lane for lane in rounds[0] if lane.name == "plain")
-        n, split = plain.layers_run, priced_split(plain.split, plain.layers_run)
+        n, split, placement = plain.layers_run, priced_split(plain.split, plain.layers_run), plain.placement
         by_name = [{lane.name: lane.samples for lane in lanes} for lanes in rounds]
         samples = {name: np.concatenate([round_[name] for round_ in by_name]) for name in by_name[0]}
         parts = fit_parts({name: np.median(ms) for name, ms in samples.items()}, n, split)
@@ -326,8 +330,8 @@ class TokenCosts:
         plain = PARTS.index("plain_ms")
         low, high = np.percentile(resampled / resampled[:, plain:plain + 1], [2.5, 97.5], axis=0)
         share_intervals = {part: (float(lo), float(hi)) for part, lo, hi in zip(PARTS, low, high) if part != "plain_ms"}
-        return cls(n, *map(float, parts), split=split, intervals=intervals, share_intervals=share_intervals,
-                   resampled=resampled)
+        return cls(n, *map(float, parts), split=split, placement=placement, intervals=intervals,
+                   share_intervals=share_intervals, resampled=resampled)
 
     @property
     def parts(self) -> np.ndarray:

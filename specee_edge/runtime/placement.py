@@ -1,13 +1,14 @@
 """Where a model's layers run: llama.cpp's -ngl and -ts, and which end of the model goes to the devices.
 
 llama.cpp's -ngl N offloads N "layers" counting the output layer as one: the output layer and the last N - 1
-repeating layers go to the devices (GPUs, then RPC workers), the rest stays on the CPU. SpecEE's placement
-(--offload-first) offloads the output layer and the FIRST N - 1 repeating layers instead, so that a model too
-big for the GPU runs its first layers there and a token that leaves early skips the layers left on the slower
-CPU. It is patches/0013-model-offload-first-layers.patch, switched by the GGUF key OFFLOAD_FIRST_KEY: a model
-loaded here gets it as a metadata override, llama-server from the same tree as `--override-kv`. The count is
-llama.cpp's either way, so the same -ngl needs the same device memory; the K/V cache, the norms and the
-early-exit draft head follow each layer's device.
+repeating layers go to the devices (the RPC workers first, then the GPUs: llama.cpp puts RPC servers at the front
+of its device list), the rest stays on the CPU. SpecEE's placement (--offload-first) offloads the output layer and
+the FIRST N - 1 repeating layers instead, so that a model too big for the GPU runs its first layers there and a
+token that leaves early skips the layers left on the slower CPU. It is patches/0013-model-offload-first-layers.patch,
+switched by the GGUF key OFFLOAD_FIRST_KEY: a model loaded here gets it as a metadata override, llama-server from
+the same tree as `--override-kv`. The count is llama.cpp's either way, so the same -ngl needs the same device
+memory; the K/V cache, the norms and the early-exit draft head follow each layer's device. Which device each layer
+got is llama.cpp's to say: Model.layer_devices() reads its map back, and nothing here restates it.
 
 One Placement per process (set_default: -ngl, -ts and --offload-first as parsed by the command line) is read by
 every model the process loads (the engine's, the bench's and calibration's cost lanes) and by the bench's
@@ -42,16 +43,6 @@ class Placement:
     # -ot, the user's own, taken as given: (tensor name pattern, buffer type), e.g. ("ffn_.*", "CPU"); they move
     # the weights they match, after the layers were placed (the KV cache and the layer map stay)
     tensor_overrides: tuple[tuple[str, str], ...] = ()
-
-    def offloaded(self, n_layer: int) -> list[bool]:
-        """Per repeating layer, then the output layer (n_layer + 1 entries): whether it goes to a device, where the
-        runtime has one (patch 0013's map with offload_first, stock llama.cpp's without)."""
-        n = min(max(self.n_gpu_layers, 0), n_layer + 1)
-        if n == 0:
-            return [False] * (n_layer + 1)
-        if self.offload_first:
-            return [il < n - 1 for il in range(n_layer)] + [True]
-        return [il >= n_layer + 1 - n for il in range(n_layer + 1)]
 
     def kv_overrides(self) -> dict[str, bool]:
         """The GGUF metadata overrides that make llama.cpp load the model this way."""
@@ -150,7 +141,8 @@ def first_crossing(devices: list[str]) -> int | None:
 
 
 def parse_gpu_layers(value: str) -> int:
-    """-ngl: a number, or all (auto and -1 too, as llama.cpp takes them)."""
+    """-ngl: a number, or all. auto and -1 mean all here too: llama.cpp fits them to the free device memory
+    (its --fit), which this runtime does not do."""
     if value.strip().lower() in ("all", "auto", "-1"):
         return ALL_LAYERS
     try:
