@@ -28,7 +28,8 @@ LAYERS = (
     ("draft", "predictor"),
     ("pack",),
     ("runtime", "registry"),
-    ("gguf_index", "default_model", "shipped", "threads", "data", "archs", "exits", "chat_templates", "bootstrap"),
+    ("gguf_index", "default_model", "shipped", "threads", "data", "archs", "exits", "chat_templates", "bootstrap",
+     "grammar"),
     ("errors", "build_runtime", ""),
     ("libstdcxx",),
 )

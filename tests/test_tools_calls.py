@@ -14,11 +14,10 @@ import llama_cpp
 import pytest
 from llama_cpp.llama_chat_format import CHATML_CHAT_TEMPLATE, LLAMA3_INSTRUCT_CHAT_TEMPLATE, Jinja2ChatFormatter
 
-from specee_edge.chat_templates import GEMMA_CHAT_TEMPLATE
+from specee_edge.chat_templates import GEMMA_CHAT_TEMPLATE, TOOLS_CHATML_TEMPLATE
 from specee_edge.errors import SpecEEError
 from specee_edge.runtime.logging import caught_messages
 from specee_edge.server.tools import (
-    TOOLS_CHATML_TEMPLATE,
     CallStream,
     ToolFormat,
     call_grammar,

@@ -6,7 +6,7 @@ Two formats cover the templates in use: Hermes's (Qwen2.5 and many fine-tunes: e
 `name` and `arguments` between `<tool_call>` and `</tool_call>` lines) and Llama 3.1's (the reply is the JSON object
 with `name` and `parameters`, after an optional `<|python_tag|>`, several separated by `;`). A template that never
 reads `tools` (SmolLM2's, gemma's) would drop them without a word, so it has no format and a request with tools is
-refused; TOOLS_CHATML_TEMPLATE (`--chat-template chatml-tools`) gives a ChatML model Hermes's format.
+refused; chat_templates.TOOLS_CHATML_TEMPLATE (`--chat-template chatml-tools`) gives a ChatML model Hermes's format.
 
 The content around calls loses the whitespace at its ends, with calls or without: a stream cannot know until its
 end whether a call follows the newline it is holding, and the whole reply must read the same as its stream.
@@ -529,47 +529,3 @@ class CallStream:
         for call in calls:
             events += self._call(call)
         return events
-
-
-# --- a ChatML template that renders tools --------------------------------------------------------------------------
-
-# ChatML (SmolLM2's <|im_start|> and <|im_end|>) with Hermes's call format: with tools, the system turn lists them
-# as JSON and says how to call; the assistant's calls are <tool_call> blocks; tool results go back in a user turn,
-# each in <tool_response>. Without tools it renders as llama-cpp-python's ChatML does.
-TOOLS_CHATML_TEMPLATE = (
-    "{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none -%}"
-    "{%- if tools -%}"
-    "{{- '<|im_start|>system\\n' + (system + '\\n\\n' if system else '') -}}"
-    "{{- '# Tools\\n\\nYou may call functions to answer. Each is described by a JSON object in <tools></tools>:\\n"
-    "<tools>' -}}"
-    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
-    "{{- '\\n</tools>\\n\\nTo call one, answer with its name and arguments as a JSON object between <tool_call> and"
-    " </tool_call> lines, one block per call:\\n<tool_call>\\n{\"name\": <function name>, \"arguments\": <arguments"
-    " object>}\\n</tool_call>\\nEach result comes back to you in <tool_response></tool_response>.<|im_end|>\\n' -}}"
-    "{%- elif system is not none -%}"
-    "{{- '<|im_start|>system\\n' + system + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}"
-    "{%- if not loop.first -%}{{- '<|im_start|>system\\n' + message['content'] + '<|im_end|>\\n' -}}{%- endif -%}"
-    "{%- elif message['role'] == 'assistant' -%}"
-    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') -}}"
-    "{%- for call in message['tool_calls'] or [] -%}"
-    "{%- set function = call['function'] if call['function'] is defined else call -%}"
-    "{%- set arguments = function['arguments'] if function['arguments'] is string"
-    " else function['arguments'] | tojson -%}"
-    "{{- ('\\n' if message['content'] or not loop.first else '') + '<tool_call>\\n{\"name\": '"
-    " + (function['name'] | tojson) + ', \"arguments\": ' + arguments + '}\\n</tool_call>' -}}"
-    "{%- endfor -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- elif message['role'] == 'tool' -%}"
-    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
-    "{{- '\\n<tool_response>\\n' + (message['content'] or '') + '\\n</tool_response>' -}}"
-    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
-
