@@ -20,18 +20,22 @@ from specee_edge import build_runtime
 from specee_edge.bench import run as bench_run
 from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, DRAFT, DRAFT_SPEC_TYPE, ENV_BINARY, PLAIN, SPEC_TYPES,
                                             LlamaServer, LlamaServerError, ServerLane, ServerSetup, completion,
-                                            find_binary, has_terminal, lane_args, parse_spec_types, speculates,
-                                            why_not_speculating)
+                                            find_binary, has_terminal, lane_args, parse_spec_types, request_body,
+                                            speculates, why_not_speculating)
 from specee_edge.bench.report import LLAMA_CPP_PYTHON, repeat_of
 from specee_edge.bench.run import BenchConfig, baseline_notes
 from specee_edge.bench.runner import ContextLane, PeerLane, Stopwatch, VanillaLane, run_lanes
+from specee_edge.bench.structured import follows
 from specee_edge.cli import app
+from specee_edge.data.prompts import extract_schema
 from specee_edge.default_model import default_model_path
 from specee_edge.engine import GREEDY
+from specee_edge.engine.constraint import GrammarConstraint
 from specee_edge.errors import SpecEEError
+from specee_edge.grammar import grammar_from_schema, grammar_from_text
 from specee_edge.runtime import Model
 from specee_edge.runtime.placement import Placement
-from tests.conftest import LLAMA_SERVER_MISSING, tiny_model_path
+from tests.conftest import CHAT_PROMPT, LLAMA_SERVER_MISSING, tiny_model_path
 
 PROMPTS, TOKENS = 2, 8
 
@@ -111,6 +115,17 @@ def test_a_reply_without_timings_fails_the_lane(reply):
     with pytest.raises(LlamaServerError, match="no timings") as error:
         completion(reply)
     assert "\n" not in str(error.value)
+
+
+def test_a_request_carries_the_runs_grammar():
+    """The GBNF as given, in llama-server's own `grammar` field (which the vendored server reads as a user's
+    grammar): the very text every other lane decodes under, not a schema llama-server would convert itself."""
+    grammar = grammar_from_schema(extract_schema(), "the extract set's schema")
+    body = json.loads(json.dumps(request_body([1, 2, 3], 16, GREEDY, grammar)))
+    assert body["grammar"] == grammar.text and "json_schema" not in body
+    assert body["prompt"] == [1, 2, 3] and body["n_predict"] == 16
+    assert "grammar" not in request_body([1, 2, 3], 16, GREEDY)
+    assert 'add_alias("grammar")' in vendored_source("tools/server/server-schema.cpp")
 
 
 def test_a_reply_with_timings_counts_its_steps():
@@ -285,6 +300,22 @@ def test_plain_server_answers_as_llama_does(setup):
     assert lane.drafted == 0
 
 
+def test_plain_server_answers_under_the_grammar_as_llama_does(binary):
+    """The same grammar, greedy: llama-server's answer is the Llama.eval lane's under specee-edge's Sampler (the best
+    token the grammar allows at each step), whole and in the grammar."""
+    model = Model(default_model_path())
+    grammar = grammar_from_text('root ::= ("yes" | "no") "."\n')
+    llm = Llama(model_path=str(model.info.path), n_ctx=512, n_threads=1, verbose=False)
+    vanilla = VanillaLane(llm, TOKENS, model.is_eog, GREEDY, lambda: GrammarConstraint(model, grammar))
+    with LlamaServer(ServerSetup(binary, model.info.path, threads=1, n_ctx=512)) as server:
+        lane = ServerLane(PLAIN, server, TOKENS, GREEDY, grammar)
+        prompt = model.tokenize(CHAT_PROMPT)
+        assert run_lanes([prompt], [vanilla, lane], np.random.default_rng(0), workers=()).failed == {}
+    llm.close()
+    assert lane.outputs == vanilla.outputs
+    assert follows(model, grammar, lane.outputs[0]) and model.is_eog(lane.outputs[0][-1])
+
+
 def test_server_stops_when_the_block_raises(setup):
     with pytest.raises(KeyboardInterrupt):
         with LlamaServer(setup) as server:
@@ -345,3 +376,34 @@ def test_bench_against_llama_server(binary, tmp_path):
     assert low <= data["tools"]["ngram-mod"]["speedup"] <= high
     assert plain["speedup_interval"] == plain["speedup_sampled_interval"] == [1.0, 1.0]
     assert "decode speed against llama.cpp" in result.output
+
+
+@pytest.mark.slow
+def test_bench_extract_runs_every_lane_under_its_schema(binary, tmp_path):
+    """`--prompts extract`: every lane (llama-server's too, and the peer) under the schema's grammar, greedy and
+    sampled; each answer keeps to it, and each whole one is JSON that fits the schema."""
+    args = ["bench", "--prompts", "extract", "-p", "2", "-n", "200", "-t", "1", "--ppl-tokens", "32",
+            "--spec-type", "ngram-mod", "--no-repeat", "--no-lookup-lane", "--llama-server-bin", str(binary),
+            "--json", str(tmp_path / "bench.json")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["dropped"] == []
+    grammar = data["grammar"]
+    assert "extract" in grammar["origin"] and grammar["schema"] and grammar["validated"]
+    assert grammar["chars"] == len(grammar_from_schema(extract_schema()).text) and grammar["rules"] > 1
+    assert set(grammar["lanes"]) == set(data["lane_order"]["greedy"][0])
+    ours = {LLAMA_CPP_PYTHON, ContextLane.name, "specee-edge fill@exact"}
+    for name, passes in grammar["lanes"].items():
+        assert set(passes) == {"greedy", "sampled"}
+        for answers in passes.values():
+            assert answers["answers"] == 2 and answers["in_grammar"] == 1.0, name
+            if answers["finished"]:
+                assert answers["parsed"] == answers["valid"] == 1.0, name
+            assert (answers["masked_draws_per_token"] is not None) == (name in ours), name
+    assert grammar["lanes"][LLAMA_CPP_PYTHON]["greedy"]["finished"] > 0  # the check above checked something
+    # the same grammar on both sides: llama-server's greedy answers are the Llama.eval lane's
+    assert data["tools"][PLAIN]["identical"] == 1.0
+    # quality against the full model's choices under the grammar: exact mode's answers are its batched evaluation
+    assert data["exact"] and data["off_replay"] == 0
+    assert "answers under the grammar" in result.output

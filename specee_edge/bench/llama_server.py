@@ -10,6 +10,8 @@ server's time includes its sampling and its per-token bookkeeping, as the Python
 temperature 0 that is llama.cpp's whole default sampler chain, where the Python lanes take a numpy argmax
 (docs/bench.md says what each pays). A speculative lane's server must say, once up, that it set speculative
 decoding up (GET /slots): one that did not would decode plainly under the lane's name, and its lane is dropped.
+Under the bench's grammar, each request carries its GBNF in llama-server's own `grammar` field: the text every other
+lane decodes under; a server that refuses it answers an error, and its lane is dropped.
 
 The binary comes from tools/build_llama_server.py (the runtime's vendored llama.cpp, its flags; cached), or from
 --llama-server PATH / SPECEE_LLAMA_SERVER.
@@ -34,6 +36,7 @@ from specee_edge.bench.report import twin_of
 from specee_edge.bench.runner import Stopwatch, one_line, prompt_sampling
 from specee_edge.engine.sampling import GREEDY, SamplingParams
 from specee_edge.errors import SpecEEError
+from specee_edge.grammar import Grammar
 from specee_edge.runtime.costs import Timing
 from specee_edge.runtime.placement import Placement
 
@@ -257,14 +260,10 @@ class LlamaServer:
         lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
         return lines[-1].strip() if lines else "no output"
 
-    def complete(self, prompt: Sequence[int], n_predict: int, sampling: SamplingParams) -> Completion:
-        """Decode up to n_predict tokens after the prompt's token ids."""
-        body = {"prompt": list(map(int, prompt)), "n_predict": n_predict, "cache_prompt": False,
-                "return_tokens": True, "stream": False, "seed": sampling.seed or 0,
-                "temperature": max(sampling.temperature, 0.0), "top_k": sampling.top_k, "top_p": sampling.top_p,
-                "min_p": sampling.min_p, "repeat_penalty": sampling.repeat_penalty,
-                "repeat_last_n": sampling.repeat_last_n, "frequency_penalty": sampling.frequency_penalty,
-                "presence_penalty": sampling.presence_penalty}
+    def complete(self, prompt: Sequence[int], n_predict: int, sampling: SamplingParams,
+                 grammar: Grammar | None = None) -> Completion:
+        """Decode up to n_predict tokens after the prompt's token ids, under `grammar` if any."""
+        body = request_body(prompt, n_predict, sampling, grammar)
         request = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         try:
@@ -297,15 +296,31 @@ class LlamaServer:
         self.stop()
 
 
+def request_body(prompt: Sequence[int], n_predict: int, sampling: SamplingParams,
+                 grammar: Grammar | None = None) -> dict:
+    """A /completion request: the prompt's token ids, the lane's sampling and seed, the prompt cache off, and the
+    run's grammar in llama-server's `grammar` field (GBNF as given: llama-server converts nothing, so it runs the
+    very text the other lanes run)."""
+    body = {"prompt": list(map(int, prompt)), "n_predict": n_predict, "cache_prompt": False,
+            "return_tokens": True, "stream": False, "seed": sampling.seed or 0,
+            "temperature": max(sampling.temperature, 0.0), "top_k": sampling.top_k, "top_p": sampling.top_p,
+            "min_p": sampling.min_p, "repeat_penalty": sampling.repeat_penalty,
+            "repeat_last_n": sampling.repeat_last_n, "frequency_penalty": sampling.frequency_penalty,
+            "presence_penalty": sampling.presence_penalty}
+    return (body | {"grammar": grammar.text}) if grammar is not None else body
+
+
 @dataclass
 class ServerLane:
     """A llama-server lane: answer() decodes the whole answer in one request, timed by the server's own timings
-    (`watch`, the Python lanes' stopwatch, has nothing to time). The prompt's sampling is the bench's."""
+    (`watch`, the Python lanes' stopwatch, has nothing to time). The prompt's sampling and grammar are the
+    bench's."""
 
     name: str
     server: LlamaServer
     max_tokens: int
     sampling: SamplingParams = field(default_factory=lambda: GREEDY)
+    grammar: Grammar | None = None
     timing: Timing = field(default_factory=Timing)
     outputs: list[list[int]] = field(default_factory=list)
     drafted: int = 0
@@ -318,7 +333,8 @@ class ServerLane:
 
     def answer(self, prompt: Sequence[int], watch: Stopwatch) -> None:
         self.timing.begin_prompt()
-        done = self.server.complete(prompt, self.max_tokens, prompt_sampling(self.sampling, len(self.outputs)))
+        done = self.server.complete(prompt, self.max_tokens, prompt_sampling(self.sampling, len(self.outputs)),
+                                    self.grammar)
         self.outputs.append(done.tokens)
         self.timing.add_span(done.steps, done.seconds)
         self.drafted += done.drafted

@@ -1,4 +1,8 @@
-"""Quality of SpecEE's outputs: agreement with the full model, exact prefix, held-out perplexity."""
+"""Quality of SpecEE's outputs: agreement with the full model, exact prefix, held-out perplexity.
+
+Under the bench's grammar (`constrain`: a fresh GrammarConstraint per answer) the full model's greedy token is the
+one the Sampler draws under it, the best token the grammar allows, the grammar moved along each answer's own tokens.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from scipy.special import log_softmax, softmax
 
 from specee_edge.bootstrap import ratio_interval
 from specee_edge.engine import GREEDY, Engine, TokenRecord
+from specee_edge.engine.constraint import GrammarConstraint
 from specee_edge.exits import ExitKind
 from specee_edge.runtime import Context
 
@@ -27,6 +32,44 @@ def full_model_logits(ctx: Context, prompt: Sequence[int], output: Sequence[int]
         yield ctx.logits()
 
 
+class GreedyUnder:
+    """The full model's greedy choices along one answer, as the Sampler makes them under the grammar `constrain`
+    makes (None: the argmax): a context manager that closes the grammar."""
+
+    def __init__(self, constrain: Callable[[], GrammarConstraint] | None):
+        self.constraint = constrain() if constrain is not None else None
+
+    def pick(self, logits: np.ndarray) -> int:
+        """The argmax, else (the grammar refusing it) the best token the grammar allows."""
+        token = int(np.argmax(logits))
+        if self.constraint is None or self.constraint.allows(token):
+            return token
+        return int(np.argmax(self.constraint.mask(logits)))
+
+    def allowed(self, logits: np.ndarray) -> np.ndarray:
+        """`logits` where the grammar allows the token, -inf elsewhere."""
+        return logits if self.constraint is None else self.constraint.mask(logits)
+
+    def took(self, token: int) -> None:
+        """The answer took `token`: the grammar moves past it. A token it refuses (a lane that broke the grammar,
+        which its `in_grammar` reports) leaves the rest of the answer unconstrained: llama.cpp aborts the process
+        on accepting one."""
+        if self.constraint is None:
+            return
+        if self.constraint.allows(token):
+            self.constraint.accept(token)
+        else:
+            self.constraint.close()
+            self.constraint = None
+
+    def __enter__(self) -> GreedyUnder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.constraint is not None:
+            self.constraint.close()
+
+
 @dataclass
 class Agreement:
     agreement: float             # share of decode steps whose token equals the full model's argmax (1.0 without steps)
@@ -36,7 +79,8 @@ class Agreement:
 
 
 def agreement(ctx: Context, prompts: Sequence[Sequence[int]], records: Sequence[Sequence[TokenRecord]],
-              advance: Callable[[float], None] = lambda n: None) -> Agreement:
+              advance: Callable[[float], None] = lambda n: None,
+              constrain: Callable[[], GrammarConstraint] | None = None) -> Agreement:
     """records: a lane's, one list per prompt (the first from the prompt pass). A head-free step chose among
     its candidates only: what the full model would have given the rest is what sampling there leaves out."""
     matches, steps = [], []  # per prompt
@@ -47,10 +91,13 @@ def agreement(ctx: Context, prompts: Sequence[Sequence[int]], records: Sequence[
             continue
         matches.append(0)
         steps.append(len(output) - 1)
-        for record, token, logits in zip(answer[1:], output[1:], full_model_logits(ctx, prompt, output)):
-            matches[-1] += int(np.argmax(logits)) == token
-            if record.exit_kind == ExitKind.HEAD_FREE:
-                masses.append(float(softmax(logits.astype(np.float64))[list(record.candidates)].sum()))
+        with GreedyUnder(constrain) as greedy:
+            greedy.took(output[0])
+            for record, token, logits in zip(answer[1:], output[1:], full_model_logits(ctx, prompt, output)):
+                matches[-1] += greedy.pick(logits) == token
+                greedy.took(token)
+                if record.exit_kind == ExitKind.HEAD_FREE:
+                    masses.append(float(softmax(logits.astype(np.float64))[list(record.candidates)].sum()))
         advance(len(output) - 1)
     if not steps:
         return Agreement(1.0, None, 0, (1.0, 1.0))
@@ -65,9 +112,11 @@ NEAR_TIE = 0.25
 
 
 def divergence_margins(ctx: Context, prompts: Sequence[Sequence[int]], references: Sequence[Sequence[int]],
-                       outputs: Sequence[Sequence[int]]) -> list[float]:
+                       outputs: Sequence[Sequence[int]],
+                       constrain: Callable[[], GrammarConstraint] | None = None) -> list[float]:
     """For each answer that departs from its reference (vanilla greedy), the full model's top-1 minus top-2 logit
-    at the first position where they differ, decoding the shared prefix one token at a time as vanilla did."""
+    (of the tokens the grammar allows there) at the first position where they differ, decoding the shared prefix
+    one token at a time as vanilla did."""
     margins = []
     for prompt, reference, output in zip(prompts, references, outputs):
         d = common_prefix(reference, output)
@@ -75,14 +124,18 @@ def divergence_margins(ctx: Context, prompts: Sequence[Sequence[int]], reference
             continue  # equal, or one ends where the other goes on (an EOS near-tie is counted by identical)
         ctx.clear()
         ctx.decode(list(prompt))
-        for token in reference[:d]:
-            ctx.decode([token])
-        top2 = np.sort(ctx.logits().astype(np.float64))[-2:]
+        with GreedyUnder(constrain) as greedy:
+            for token in reference[:d]:
+                ctx.decode([token])
+                greedy.took(token)
+            allowed = greedy.allowed(ctx.logits()).astype(np.float64)
+        top2 = np.sort(allowed[np.isfinite(allowed)])[-2:]  # both answers' tokens are allowed there: two at least
         margins.append(float(top2[1] - top2[0]))
     return margins
 
 
-def batched_replay(ctx: Context, prompt: Sequence[int], records: Sequence[TokenRecord]) -> list[int]:
+def batched_replay(ctx: Context, prompt: Sequence[int], records: Sequence[TokenRecord],
+                   constrain: Callable[[], GrammarConstraint] | None = None) -> list[int]:
     """llama.cpp's greedy tokens along an exact-mode answer (records, the first from the prompt), evaluated as its
     rounds evaluated them, on `ctx` (a plain context: early exit off): each token decoded alone where the answer
     decoded it alone, each verification batch as one batch of the same rows, its rejected rows dropped after.
@@ -90,21 +143,26 @@ def batched_replay(ctx: Context, prompt: Sequence[int], records: Sequence[TokenR
     flip); greedy exact mode must give exactly these, whatever its drafts, probes and rollbacks did."""
     ctx.clear()
     ctx.decode(list(prompt))
-    tokens = [int(np.argmax(ctx.logits()))]
-    i = 1
-    while i < len(records):
-        round_ = records[i].round
-        if round_ is None or not round_.rows:  # one token decoded alone (a plain step, or an exit round's first)
-            ctx.decode([records[i - 1].id])
-            tokens.append(int(np.argmax(ctx.logits())))
-            i += 1
-            continue
-        emitted = next((j for j in range(i, len(records)) if records[j].round is not round_), len(records)) - i
-        start = ctx.n_past
-        ctx.decode(list(round_.rows), output_all=True)
-        tokens += [int(np.argmax(ctx.logits(row))) for row in range(emitted)]
-        ctx.truncate(start + emitted)
-        i += emitted
+    with GreedyUnder(constrain) as greedy:
+        tokens = [greedy.pick(ctx.logits())]
+        greedy.took(records[0].id)
+        i = 1
+        while i < len(records):
+            round_ = records[i].round
+            if round_ is None or not round_.rows:  # one token decoded alone (a plain step, or an exit round's first)
+                ctx.decode([records[i - 1].id])
+                tokens.append(greedy.pick(ctx.logits()))
+                greedy.took(records[i].id)
+                i += 1
+                continue
+            emitted = next((j for j in range(i, len(records)) if records[j].round is not round_), len(records)) - i
+            start = ctx.n_past
+            ctx.decode(list(round_.rows), output_all=True)
+            for row in range(emitted):
+                tokens.append(greedy.pick(ctx.logits(row)))
+                greedy.took(records[i + row].id)
+            ctx.truncate(start + emitted)
+            i += emitted
     return tokens
 
 

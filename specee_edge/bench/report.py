@@ -220,6 +220,32 @@ class ModeResult:
 
 
 @dataclass
+class GrammarAnswers:
+    """One lane's answers in one pass under the run's grammar: whether they kept to it, and whether the whole ones
+    are what it was for (JSON that fits the schema)."""
+
+    answers: int                      # answers the lane decoded
+    finished: int                     # ... that ended at an end of generation within -n (finish "stop"): whole ones
+    in_grammar: float                 # share of the answers whose every token the grammar takes, in order
+    parsed: float | None              # share of the finished answers that parse as JSON (None: none finished)
+    valid: float | None               # ... that also fit the schema (None: none finished, or no schema checked)
+    masked_draws_per_token: float | None  # draws the grammar refused first, drawn again over what it allows, per
+    #                                       token; None where llama.cpp's own loop draws (llama-server, the peer)
+
+
+@dataclass
+class GrammarRun:
+    """The one grammar every lane decoded under, and what each lane's answers made of it."""
+
+    origin: str                       # the flag it came from, or the extract set's schema
+    chars: int                        # its GBNF's size
+    rules: int
+    schema: bool                      # made from a JSON schema (-j, the extract set's)
+    validated: bool                   # finished answers checked against it by jsonschema (False: only parsed)
+    lanes: dict[str, dict[str, GrammarAnswers]] = field(default_factory=dict)  # by lane name, then pass
+
+
+@dataclass
 class BenchResult:
     model: str
     pack: str
@@ -268,6 +294,7 @@ class BenchResult:
     # of lane names in the order they answered
     lane_order: dict = field(default_factory=dict)
     repeats: list[RepeatResult] = field(default_factory=list)  # each repeat lane against its twin, per pass
+    grammar: GrammarRun | None = None  # the grammar every lane decoded under (None: none)
 
     @property
     def vanilla_speedup(self) -> float:
@@ -318,7 +345,8 @@ class BenchResult:
 
     def render(self) -> Group:
         drift = drift_line(self.repeats)
-        parts = [*([Text(drift, style="bold yellow")] if drift else []), self._run(), self._against_llama_cpp(), self._quality(), self._machinery(), self._exact_choices(), self._by_category(),
+        parts = [*([Text(drift, style="bold yellow")] if drift else []), self._run(), self._against_llama_cpp(),
+                 self._grammar(), self._quality(), self._machinery(), self._exact_choices(), self._by_category(),
                  self._time_split(), self._histogram()]
         return Group(*parts, *([self._round_trips()] if self.rpc else []))
 
@@ -381,6 +409,21 @@ class BenchResult:
                           ratio(m.sampled.speedup, m.sampled.speedup_interval) if m.sampled else "-", "-")
         return table
 
+    def _grammar(self) -> Table | str:
+        """Each lane's answers under the grammar, greedy / sampled: the whole ones, whether every answer kept to the
+        grammar, the whole ones that parse (and fit the schema), and what the grammar's mask cost our draws."""
+        if self.grammar is None:
+            return ""
+        table = Table(title="answers under the grammar (greedy / sampled)", box=box.SIMPLE_HEAD,
+                      caption="finished: ended at an end of generation within -n; JSON and schema: shares of those")
+        for name in ("lane", "finished", "in grammar", "JSON", "schema", "masked draws per token"):
+            table.add_column(name, justify="left" if name == "lane" else "right")
+        cells = (lambda a: f"{a.finished} of {a.answers}", lambda a: f"{a.in_grammar:.2f}", lambda a: share(a.parsed),
+                 lambda a: share(a.valid), lambda a: fmt(a.masked_draws_per_token))
+        for name, passes in self.grammar.lanes.items():
+            table.add_row(name, *(" / ".join(cell(a) for a in passes.values()) for cell in cells))
+        return table
+
     def _run(self) -> Table:
         table = Table(title=f"specee-edge bench: {self.model}", show_header=False)
         table.add_column(style="bold")
@@ -408,6 +451,7 @@ class BenchResult:
                                     if self.repetition_sampled_by_category else "-"),
         ]
         rows += repeat_rows(self.repeats)
+        rows += [("grammar", grammar_line(self.grammar))] if self.grammar else []
         rows += [("dropped", line) for line in self.dropped]
         rows += [("note", line) for line in self.notes]
         if self.peer and self.peer.speedup_no_loop is not None:
@@ -585,6 +629,18 @@ class BenchResult:
             if any(counts[il] for counts in columns.values()):
                 table.add_row(str(il), *(bar(counts[il], max(counts), width) for counts in columns.values()))
         return table
+
+
+def grammar_line(grammar: GrammarRun) -> str:
+    """The run's grammar in one line: where it came from, its size, and how whole answers were checked."""
+    check = ("validated against the schema (jsonschema)" if grammar.validated else
+             "parsed as JSON (jsonschema is not installed: not validated)" if grammar.schema else "parsed as JSON")
+    return (f"{grammar.origin}: {grammar.chars:,} characters, {grammar.rules} rules of GBNF, every lane under it; "
+            f"whole answers {check}")
+
+
+def share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def fmt_tok_s(value: float | None) -> str:

@@ -7,8 +7,9 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from llama_cpp import Llama
@@ -24,12 +25,15 @@ from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, DRAFT, PLAIN, Ll
                                             ServerSetup, lane_args, speculates)
 from specee_edge.bench.runner import (ContextLane, Lane, PeerLane, SpecEELane, VanillaLane, one_line,
                                       reference_failed, run_lanes)
+from specee_edge.bench.structured import check_grammar, grammar_run
 from specee_edge.bootstrap import speedup_interval
-from specee_edge.data.prompts import Prompt, bench_prompts, heldout_text
+from specee_edge.data.prompts import GRAMMAR_SETS, Prompt, bench_prompts, extract_schema, heldout_text
 from specee_edge.engine import AUTO, DEFAULT_KV_MODE, Engine, EngineConfig, GenerationStats, TokenRecord
+from specee_edge.engine.constraint import GrammarConstraint
 from specee_edge.engine.sampling import GREEDY, SamplingParams
 from specee_edge.engine.exit import find_pack
 from specee_edge.errors import SpecEEError
+from specee_edge.grammar import Grammar, grammar_from_schema
 from specee_edge.pack import EXACT_QUALITY, Pack, parse_quality, read_pack
 from specee_edge.runtime import Context, Model, placement, rpc
 from specee_edge.runtime.costs import DraftSetup, Timing, TokenCosts, cost_lanes, time_rounds
@@ -76,6 +80,15 @@ class BenchConfig:
     repeat: bool = True              # a repeat lane of llama-server plain and of the bare Context: the run's noise
     dropped: list[str] = field(default_factory=list)  # lanes dropped before the run, a line each (a failed build)
     command: str = ""
+    grammar: Grammar | None = None   # every lane decodes under it (--grammar, --grammar-file, -j)
+    schema: Any = None               # the JSON schema it was made from, whole answers validated against it
+
+    def __post_init__(self) -> None:
+        """A set whose prompts ask for JSON of the extract schema's shape runs under that schema unless a grammar is
+        given: its answers are meant to fit it, as a user's would under -j."""
+        if self.grammar is None and self.prompt_set in GRAMMAR_SETS:
+            self.schema = extract_schema()
+            self.grammar = grammar_from_schema(self.schema, f"the {self.prompt_set} set's schema")
 
 
 def pick_prompts(prompts: Sequence[Prompt], n: int) -> list[Prompt]:
@@ -225,6 +238,12 @@ class DecodePass:
         return self.contexts.get(BARE_CONTEXT)
 
     @property
+    def lanes(self) -> list[Lane]:
+        """Every lane that answered the whole pass."""
+        return [self.vanilla, *self.contexts.values(), *self.specee.values(), *([self.peer] if self.peer else []),
+                *self.servers.values()]
+
+    @property
     def plain(self) -> ServerLane | None:
         return self.servers.get(PLAIN)
 
@@ -244,21 +263,29 @@ class DecodePass:
         return PLAIN if self.plain else LLAMA_CPP_PYTHON
 
 
+def constraints(config: BenchConfig, model: Model) -> Callable[[], GrammarConstraint] | None:
+    """A fresh GrammarConstraint of the run's grammar over `model`'s vocabulary at each call (None: no grammar):
+    a grammar's state is one answer's."""
+    return partial(GrammarConstraint, model, config.grammar) if config.grammar is not None else None
+
+
 def decode_pass(config: BenchConfig, prompts: Sequence[Sequence[int]], model: Model,
                 engines: dict[int, tuple[str, Engine]], names: Sequence[str], with_peer: bool, sampling: SamplingParams, rng: np.random.Generator,
                 dropped: list[str], what: str, reporter: Reporter) -> DecodePass:
     """Every lane answers every prompt whole, the lanes in an order shuffled per prompt (runner.run_lanes): vanilla
     (Llama.eval, its context the engines' size: attention over a larger cache costs more), the bare Context and its
     repeat (context_names: each its own Context), an engine's lane each, the peer (with_peer) and a llama-server per
-    name. A lane that fails is a line in `dropped`."""
+    name, all under the run's grammar if any. A lane that fails is a line in `dropped`."""
     suffix = f", {what}"
     llm = vanilla_llama(config)
     ctxs = [Context(model, n_ctx=ENGINE_CTX, n_threads=config.threads, flash_attn=config.flash_attn)
             for _ in context_names(config)]
-    vanilla = VanillaLane(llm, config.tokens, model.is_eog, sampling)
-    contexts = [ContextLane(ctx, config.tokens, model.is_eog, sampling, name)
+    constrain = constraints(config, model)
+    vanilla = VanillaLane(llm, config.tokens, model.is_eog, sampling, constrain)
+    contexts = [ContextLane(ctx, config.tokens, model.is_eog, sampling, name, constrain)
                 for ctx, name in zip(ctxs, context_names(config))]
-    specee = {i: SpecEELane(mode, engine, config.tokens, sampling) for i, (mode, engine) in engines.items()}
+    specee = {i: SpecEELane(mode, engine, config.tokens, sampling, config.grammar)
+              for i, (mode, engine) in engines.items()}
     peer = None
     try:
         peer = peer_lane(config, model.is_eog, sampling) if with_peer else None
@@ -267,7 +294,8 @@ def decode_pass(config: BenchConfig, prompts: Sequence[Sequence[int]], model: Mo
     try:
         with ExitStack() as stack:
             servers = open_servers(config, names, stack, dropped, suffix if what != "greedy" else "")
-            server_lanes = [ServerLane(name, server, config.tokens, sampling) for name, server in servers.items()]
+            server_lanes = [ServerLane(name, server, config.tokens, sampling, config.grammar)
+                            for name, server in servers.items()]
             lanes: list[Lane] = [vanilla, *contexts, *specee.values(), *([peer] if peer else []), *server_lanes]
             log = run_lanes(prompts, lanes, rng, reporter.task(f"decoding, {what}", len(prompts) * len(lanes)),
                             workers=model.workers)
@@ -341,6 +369,8 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     engines = {i: (spec.name, spec.load(config.model)) for i, spec in enumerate(specs)}
     first = engines[0][1]
     model, n_layer, k = first.model, first.n_layer, first.policy.k if pack else 0
+    if config.grammar is not None:
+        check_grammar(model, config.grammar)
     selected = pick_prompts(bench_prompts(config.prompt_set), config.num_prompts)
     prompts = [first.prompt_tokens(p.text) for p in selected]
     seq_ctx = max(map(len, prompts)) + config.tokens
@@ -395,6 +425,8 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     base_sampled = second.base if second else None
     peer, peer_sampled = greedy.peer, second.peer if second else None
     lane_order = {"seed": config.seed, "greedy": greedy.order, "sampled": second.order if second else None}
+    grammar = grammar_run(config.grammar, config.schema, model, [
+        ("greedy", greedy.lanes), *([("sampled", second.lanes)] if second else [])]) if config.grammar else None
 
     # 2. the oracles along vanilla's outputs (they price exits, which a pack holds)
     oracle = None
@@ -405,8 +437,10 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
                                advance=reporter.task("oracle", vanilla.timing.steps))
         oracle = Oracle(depths, costs, n_layer)
 
-    # 3. quality: agreement, exact prefix, held-out perplexity with and without exits
+    # 3. quality: agreement, exact prefix, held-out perplexity with and without exits; the full model's greedy
+    # choices under the run's grammar, as its lanes drew theirs
     reference = Context(model, n_ctx=seq_ctx, n_batch=seq_ctx, n_threads=config.threads, flash_attn=config.flash_attn)
+    constrain = constraints(config, model)
     advance = reporter.task("quality", sum(lane.timing.steps for lane in lanes) + (len(lanes) + 1) * (len(heldout) - 1))
     ppl_full = perplexity(first, heldout, early_exit=False, advance=advance).value
     # how much of each vanilla greedy answer repeats itself, and the answers that do not loop
@@ -415,12 +449,12 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     repeated_sampled = [repetition(output) for output in vanilla_sampled.outputs] if vanilla_sampled else []
     modes = [
         mode_result(lane, vanilla, base, oracle, costs, categories, no_loop, bool(model.workers),
-                    stats=greedy_stats[i], agreement=agreement(reference, prompts, lane.records, advance),
+                    stats=greedy_stats[i], agreement=agreement(reference, prompts, lane.records, advance, constrain),
                     # exact mode's distribution is the full model's: its perplexity is plain decoding's
                     ppl=perplexity(lane.engine, heldout, early_exit=not lane.engine.exact, advance=advance),
-                    margins=divergence_margins(reference, prompts, vanilla.outputs, lane.outputs),
-                    off_replay=sum(batched_replay(reference, prompt, records) != output for prompt, records, output
-                                   in zip(prompts, lane.records, lane.outputs)) if lane.engine.exact else None,
+                    margins=divergence_margins(reference, prompts, vanilla.outputs, lane.outputs, constrain),
+                    off_replay=sum(batched_replay(reference, prompt, records, constrain) != output for prompt, records,
+                                   output in zip(prompts, lane.records, lane.outputs)) if lane.engine.exact else None,
                     sampled=sampled.get(i), choices=greedy_choices[i])
         for i, lane in greedy.specee.items()
     ]
@@ -455,7 +489,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
         looping_answers_sampled=sum(share >= LOOP_SHARE for share in repeated_sampled),
         lookup_replay=lookup_replay, lookup_replay_sampled=lookup_replay_sampled,
         seconds=time.perf_counter() - start, command=config.command, rpc=rpc_result, placement=where,
-        lane_order=lane_order, repeats=repeats,
+        lane_order=lane_order, repeats=repeats, grammar=grammar,
     )
 
 
@@ -488,8 +522,7 @@ def by_category(values: Sequence[float], categories: Sequence[str]) -> dict[str,
 def peer_lane(config: BenchConfig, is_eog, sampling: SamplingParams | None = None) -> PeerLane:
     kwargs = {"sampling": sampling} if sampling else {}
     return PeerLane(str(config.model), ENGINE_CTX, config.threads, config.tokens, is_eog,
-                    llama_kwargs=llama_kwargs(config),
-                    **kwargs)
+                    llama_kwargs=llama_kwargs(config), grammar=config.grammar, **kwargs)
 
 
 def lane_speed(lane: Lane, vanilla: VanillaLane, categories: Sequence[str], base: Timing,

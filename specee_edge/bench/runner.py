@@ -8,6 +8,11 @@ each prompt's first token are not timed), each step with the argmax or sampling 
 moves a ratio is the bootstrap's to say (its interval, over prompts), not interleaving's to hide. Vanilla and SpecEE
 pay alike for what a user's loop does with each token: detokenizing it and matching stop strings; the bare Context
 pays for nothing but the step and the draw.
+
+Under a grammar (bench --grammar, -j, the extract set) every lane decodes under the same GBNF: the lanes drawn by
+specee-edge's Sampler with a GrammarConstraint made afresh for each answer (a grammar's state is one reply's), the
+engines through their own `grammar=`, the peer through llama-cpp-python's LlamaGrammar; each pays its grammar's cost
+inside its timed steps.
 """
 
 from __future__ import annotations
@@ -21,13 +26,16 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 from llama_cpp import Llama
+from llama_cpp.llama_grammar import LlamaGrammar
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 from specee_edge.bench.report import BARE_CONTEXT, LLAMA_CPP_PYTHON, TIME_PARTS
 from specee_edge.engine import GREEDY, Engine, TokenRecord
+from specee_edge.engine.constraint import GrammarConstraint
 from specee_edge.engine.sampling import Sampler, SamplingParams
 from specee_edge.engine.stops import StopMatcher
 from specee_edge.errors import SpecEEError
+from specee_edge.grammar import Grammar
 from specee_edge.runtime import Context, rpc
 from specee_edge.runtime.costs import Timing
 from specee_edge.runtime.rpc import Endpoint
@@ -72,24 +80,35 @@ def decode_rest(tokens: list[int], step: Callable[[int], int], max_tokens: int, 
 def decode_answer(lane: AnswerLane, draw: Sampler, handle, step: Callable[[int], int],
                   watch: Stopwatch) -> None:
     """A lane's answer after its prompt pass, drawn by `draw` from the llama.cpp context `handle`: its first token
-    from the prompt's logits, then decode_rest; the answer goes to lane.outputs and the sampler is closed."""
+    from the prompt's logits, then decode_rest; the answer goes to lane.outputs, its grammar's refused draws to
+    lane.masked_draws, and the sampler is closed."""
     try:
         tokens = [draw.from_context(handle)]
         lane.outputs.append(tokens)
         decode_rest(tokens, step, lane.max_tokens, lane.is_eog, lane.timing, watch)
     finally:
+        lane.masked_draws += draw.masked_draws
         draw.close()
 
 
 class AnswerLane:
-    """What every lane that answers a token at a time keeps: its limits, its draw, its timing and its answers."""
+    """What every lane that answers a token at a time keeps: its limits, its draw, its timing and its answers.
+    constrain: a fresh GrammarConstraint for each answer (None: no grammar)."""
 
-    def __init__(self, max_tokens: int, is_eog: Callable[[int], bool], sampling: SamplingParams = GREEDY):
+    def __init__(self, max_tokens: int, is_eog: Callable[[int], bool], sampling: SamplingParams = GREEDY,
+                 constrain: Callable[[], GrammarConstraint] | None = None):
         self.max_tokens = max_tokens
         self.is_eog = is_eog
         self.sampling = sampling
+        self.constrain = constrain
         self.timing = Timing()
         self.outputs: list[list[int]] = []  # generated tokens, one list per prompt
+        self.masked_draws: int | None = 0   # draws the grammar refused first, over every answer (None: uncounted)
+
+    def sampler(self, prompt: Sequence[int], n_vocab: int) -> Sampler:
+        """The next answer's draw: its prompt's sampling (prompt_sampling), under a fresh grammar."""
+        return Sampler(prompt_sampling(self.sampling, len(self.outputs)), n_vocab, prompt,
+                       constraint=self.constrain() if self.constrain is not None else None)
 
 
 class VanillaLane(AnswerLane):
@@ -98,15 +117,16 @@ class VanillaLane(AnswerLane):
 
     name = LLAMA_CPP_PYTHON
 
-    def __init__(self, llm: Llama, max_tokens: int, is_eog: Callable[[int], bool], sampling: SamplingParams = GREEDY):
-        super().__init__(max_tokens, is_eog, sampling)
+    def __init__(self, llm: Llama, max_tokens: int, is_eog: Callable[[int], bool], sampling: SamplingParams = GREEDY,
+                 constrain: Callable[[], GrammarConstraint] | None = None):
+        super().__init__(max_tokens, is_eog, sampling, constrain)
         self.llm = llm
 
     def answer(self, prompt: Sequence[int], watch: Stopwatch) -> None:
         self.timing.begin_prompt()
         self.llm.reset()
         self.llm.eval(prompt)
-        draw = Sampler(prompt_sampling(self.sampling, len(self.outputs)), self.llm.n_vocab(), prompt)
+        draw = self.sampler(prompt, self.llm.n_vocab())
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         stops = StopMatcher(())
 
@@ -127,8 +147,8 @@ class ContextLane(AnswerLane):
     name = BARE_CONTEXT
 
     def __init__(self, ctx: Context, max_tokens: int, is_eog: Callable[[int], bool], sampling: SamplingParams = GREEDY,
-                 name: str = BARE_CONTEXT):
-        super().__init__(max_tokens, is_eog, sampling)
+                 name: str = BARE_CONTEXT, constrain: Callable[[], GrammarConstraint] | None = None):
+        super().__init__(max_tokens, is_eog, sampling, constrain)
         self.name = name
         self.ctx = ctx
         self.decode_ms = 0.0  # summed over the timed steps
@@ -138,7 +158,7 @@ class ContextLane(AnswerLane):
         self.timing.begin_prompt()
         self.ctx.clear()
         self.ctx.decode(list(prompt))
-        draw = Sampler(prompt_sampling(self.sampling, len(self.outputs)), self.ctx.n_vocab, prompt)
+        draw = self.sampler(prompt, self.ctx.n_vocab)
 
         def step(token: int) -> int:
             t0 = time.perf_counter()
@@ -164,18 +184,22 @@ class ContextLane(AnswerLane):
 class PeerLane(AnswerLane):
     """What a user would pick instead: llama-cpp-python's own lossless speculative decoding with prompt lookup
     (Llama(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=2)), its README's setting for CPU-only
-    machines), through Llama.generate with llama.cpp's sampler chain; a step is one next() of it."""
+    machines), through Llama.generate with llama.cpp's sampler chain; a step is one next() of it. A grammar goes in
+    as llama-cpp-python's LlamaGrammar (its text only: generate() makes the grammar's sampler afresh for each
+    answer), which masks the vocabulary in the chain at every draw; its refused draws are not counted."""
 
     name = "peer (llama-cpp-python prompt lookup)"
 
     def __init__(self, model_path: str, n_ctx: int, n_threads: int, max_tokens: int, is_eog: Callable[[int], bool],
-                 sampling: SamplingParams = GREEDY, llama_kwargs: dict | None = None):
+                 sampling: SamplingParams = GREEDY, llama_kwargs: dict | None = None, grammar: Grammar | None = None):
         # logits_all: a draft model makes Llama keep every row's logits, but it sizes their array by the argument
         # (n_batch rows when False), so a prompt longer than n_batch broke Llama.eval (`could not broadcast`)
         self.llm = Llama(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
                          draft_model=LlamaPromptLookupDecoding(num_pred_tokens=2), logits_all=True, verbose=False,
                          **(llama_kwargs or {}))
         super().__init__(max_tokens, is_eog, sampling)
+        self.masked_draws = None  # llama-cpp-python's chain draws: its grammar's refusals are not seen
+        self.grammar = LlamaGrammar.from_string(grammar.text, verbose=False) if grammar is not None else None
 
     def answer(self, prompt: Sequence[int], watch: Stopwatch) -> None:
         s = prompt_sampling(self.sampling, len(self.outputs))
@@ -183,7 +207,8 @@ class PeerLane(AnswerLane):
         self.llm.reset()
         self.llm.set_seed(s.seed or 0)
         stream = self.llm.generate(list(prompt), top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                                   temp=s.temperature if not s.greedy else 0.0, repeat_penalty=s.repeat_penalty)
+                                   temp=s.temperature if not s.greedy else 0.0, repeat_penalty=s.repeat_penalty,
+                                   grammar=self.grammar)
         try:
             tokens = [next(stream)]
             self.outputs.append(tokens)
@@ -197,34 +222,38 @@ class PeerLane(AnswerLane):
 
 @dataclass
 class SpecEELane:
-    """One engine (one KV mode at one level) streaming; a step is one next() of its stream."""
+    """One engine (one KV mode at one level) streaming, under `grammar` if any; a step is one next() of its
+    stream."""
 
     kv_mode: str
     engine: Engine
     max_tokens: int
     sampling: SamplingParams = field(default_factory=lambda: GREEDY)
+    grammar: Grammar | None = None
     timing: Timing = field(default_factory=Timing)
     records: list[list[TokenRecord]] = field(default_factory=list)  # one list per prompt
+    masked_draws: int = 0  # draws the grammar refused first, over every answer (the engine's stats)
+    name: str = field(init=False)  # read while the engine is loaded: closing it lets go of its pack and level
 
-    @property
-    def name(self) -> str:
+    def __post_init__(self) -> None:
         policy = self.engine.policy
-        if policy is None or policy.quality is None:
-            return f"specee-edge {self.kv_mode}"
-        return f"specee-edge {self.kv_mode}@{'exact' if self.engine.exact else f'{policy.quality:g}'}"
+        level = None if policy is None or policy.quality is None else (
+            "exact" if self.engine.exact else f"{policy.quality:g}")
+        self.name = f"specee-edge {self.kv_mode}" + (f"@{level}" if level else "")
 
     def answer(self, prompt: Sequence[int], watch: Stopwatch) -> None:
         self.timing.begin_prompt()
         self.engine.reset()  # every lane starts each prompt from an empty cache
         stream = self.engine.stream(prompt, max_tokens=self.max_tokens,
-                                    sampling=prompt_sampling(self.sampling, len(self.records)))
+                                    sampling=prompt_sampling(self.sampling, len(self.records)), grammar=self.grammar)
         try:  # closed here: left to the garbage collector, its clean-up would hit a later prompt's cache
             records = [next(stream)]
             self.records.append(records)
             while (record := watch.step(self.timing, lambda: next(stream, None))) is not None:
                 records.append(record)
         finally:
-            stream.close()
+            stream.close()  # the stream's end sets the stats' masked_draws
+            self.masked_draws += self.engine.stats.masked_draws
 
     @property
     def outputs(self) -> list[list[int]]:

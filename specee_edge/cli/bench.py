@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -13,9 +14,9 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specee_edge.cli.app import app, console, err_console, fail
-from specee_edge.cli.chat import (RPC_TIMEOUT_S, FlashAttn, FlashAttnSetting, GpuLayers, HfFile, HfRepo, ModelArg,
-                                  OffloadFirst, OverrideTensor, PackOpt, Rpc, RpcTimeout, TensorSplit, pick_model,
-                                  set_placement)
+from specee_edge.cli.chat import (RPC_TIMEOUT_S, FlashAttn, FlashAttnSetting, GpuLayers, GrammarFile, GrammarOpt,
+                                  HfFile, HfRepo, JsonSchema, ModelArg, OffloadFirst, OverrideTensor, PackOpt, Rpc,
+                                  RpcTimeout, TensorSplit, pick_model, reply_grammar, set_placement)
 from specee_edge.errors import SpecEEError
 
 REFRESH_S = 0.2
@@ -66,13 +67,25 @@ def pack_note(model: Path, threads: int) -> str:
             f"on this machine (estimated, not run)")
 
 
+def given_schema(json_schema: str | None):
+    """-j's schema (its JSON, or @FILE's), which whole answers are validated against; reply_grammar has read it and
+    made it a grammar already, so it is there and is JSON."""
+    if json_schema is None:
+        return None
+    return json.loads(Path(json_schema[1:]).expanduser().read_text(encoding="utf-8")
+                      if json_schema.startswith("@") else json_schema)
+
+
 @app.command()
 def bench(
     model: ModelArg = None,
     hf_repo: HfRepo = None,
     hf_file: HfFile = None,
     pack: PackOpt = None,
-    prompts: Annotated[str, typer.Option("--prompts", help="chat, code, math, summarize, edit; Spec-Bench's multi-turn, translation, summarization, qa, math-reasoning, rag (spec-bench: those six); all; or a .jsonl file")] = "all",
+    prompts: Annotated[str, typer.Option("--prompts", help=(
+        "chat, code, math, summarize, edit; Spec-Bench's multi-turn, translation, summarization, qa, math-reasoning, "
+        "rag (spec-bench: those six); all (those); extract (facts to copy into JSON: every lane runs under its "
+        "schema's grammar unless --grammar, --grammar-file or -j gives one); or a .jsonl file"))] = "all",
     num_prompts: Annotated[int, typer.Option("-p", "--num-prompts", help="prompts to run, in turns from each category (0: all)")] = 8,
     tokens: Annotated[int, typer.Option("-n", "--tokens", help="tokens generated per prompt")] = 96,
     kv_mode: Annotated[str | None, typer.Option("--kv-mode", help="mask, fill, full, or all (default: the engine's)")] = None,
@@ -111,8 +124,12 @@ def bench(
     seed: Annotated[int, typer.Option("-s", "--seed", help="the sampled pass's seed (prompt i draws from seed + i in every lane) and the lanes' shuffled order's")] = 0,
     json_path: Annotated[Path | None, typer.Option("--json", help="write the results as JSON here")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="write a PNG here: speedup against agreement and perplexity, the exit layers")] = None,
+    grammar: GrammarOpt = None,
+    grammar_file: GrammarFile = None,
+    json_schema: JsonSchema = None,
 ) -> None:
-    """Decode the same prompts with vanilla llama.cpp and SpecEE, whole answers in a shuffled order: speed, oracle bound, quality."""
+    """Decode the same prompts with vanilla llama.cpp and SpecEE, whole answers in a shuffled order: speed, oracle bound, quality.
+    With a grammar (--grammar, --grammar-file, -j; --prompts extract has its own) every lane decodes under it."""
     from specee_edge.bench import BenchConfig, plot_bench, run_bench
     from specee_edge.bench.run import NO_PACK
     from specee_edge.bench.llama_server import LlamaServerError, find_binary, has_terminal, parse_spec_types
@@ -128,6 +145,7 @@ def bench(
             raise SpecEEError(f"unknown KV mode {mode!r}: choose {', '.join(KV_MODES)} or all")
         set_placement(rpc_workers, n_gpu_layers, tensor_split, rpc_timeout, offload_first, override_tensor)
         spec_types = parse_spec_types(spec_type)
+        constraint = reply_grammar(grammar, grammar_file, json_schema)
         if draft_model is not None and not draft_model.is_file():
             raise SpecEEError(f"no draft model at {draft_model}")
         server, dropped = None, []
@@ -144,6 +162,7 @@ def bench(
             ppl_tokens=ppl_tokens, python_policy=python_policy, sampled=sampled, peer=peer, lookup_lane=lookup_lane, seed=seed,
             flash_attn=flash_attn.value,
             llama_server=server, llama_server_asked=llama_server, spec_types=spec_types, draft_model=draft_model, repeat=repeat, dropped=dropped, command=" ".join(["specee-edge", *sys.argv[1:]]),
+            grammar=constraint, schema=given_schema(json_schema),
         )
         with progress_bars() as progress:
             result = run_bench(config, progress)
