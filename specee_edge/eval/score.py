@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 from scipy.special import log_softmax
 
-from specee_edge.bootstrap import interval
+from specee_edge.bootstrap import interval, ratio_interval
 from specee_edge.runtime import Context
 
 
@@ -44,8 +44,7 @@ def paired_ratio(level: np.ndarray, plain: np.ndarray, seed: int = 0) -> tuple[f
     """sum(level) / sum(plain) over problems (a ratio of totals, as time per whole answer), and its 95% interval:
     the same problems resampled for both."""
     a, b = np.asarray(level, dtype=float), np.asarray(plain, dtype=float)
-    ratio = lambda rows: a[rows].sum(-1) / np.maximum(b[rows].sum(-1), 1e-12)
-    return float(a.sum() / max(b.sum(), 1e-12)), interval(ratio, len(a), seed)
+    return float(a.sum() / max(b.sum(), 1e-12)), ratio_interval(a, b, seed)
 
 
 Z_95 = 1.959963984540054  # the standard normal's 97.5th percentile
