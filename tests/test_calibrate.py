@@ -166,8 +166,12 @@ def test_built_in_prompt_sets():
     assert {p.category for p in prompts} >= {"chat", "explain", "code", "math", "summarize"}
     assert {p.category for p in bench_prompts("all")} == {"chat", "code", "math", "summarize", "edit", *SPEC_BENCH}
     assert {p.category for p in bench_prompts("spec-bench")} == set(SPEC_BENCH)
-    with pytest.raises(SpecEEError, match="unknown prompt set"):
-        bench_prompts("poetry")
+    together = bench_prompts("code, chat,edit")
+    assert {p.category for p in together} == {"code", "chat", "edit"}
+    assert together == [p for p in bench_prompts("all") if p.category in ("code", "chat", "edit")]
+    for wrong in ("poetry", "code,poetry", ","):
+        with pytest.raises(SpecEEError, match="unknown prompt set"):
+            bench_prompts(wrong)
 
 
 def test_split_is_a_partition():

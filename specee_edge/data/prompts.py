@@ -56,16 +56,20 @@ GRAMMAR_SETS = (EXTRACT,)
 
 def bench_prompts(name_or_path: str) -> list[Prompt]:
     """A built-in bench set (chat, code, math, summarize, edit, one of SPEC_BENCH, spec-bench for those six, all
-    of those, or extract: facts to copy into EXTRACT_SCHEMA's JSON) or a JSONL file."""
+    of those, or extract: facts to copy into EXTRACT_SCHEMA's JSON), a comma list of built-in sets (code,chat,edit:
+    their prompts together, in file order), or a JSONL file."""
     if Path(name_or_path).suffix == ".jsonl":
         return load_prompts(name_or_path)
     rows = _read_jsonl(files(__package__).joinpath("bench_prompts.jsonl").read_text(), "bench_prompts.jsonl", "set")
     sets = sorted({p.category for p in rows})
-    if name_or_path not in ("all", "spec-bench", *sets):
+    names = [name.strip() for name in name_or_path.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ("all", "spec-bench", *sets)]
+    if unknown or not names:
         raise SpecEEError(f"unknown prompt set {name_or_path!r}: choose {', '.join(sets)}, spec-bench, all, "
-                          "or a .jsonl file")
+                          "a comma list of them, or a .jsonl file")
     free_text = [s for s in sets if s not in GRAMMAR_SETS]
-    chosen = SPEC_BENCH if name_or_path == "spec-bench" else free_text if name_or_path == "all" else (name_or_path,)
+    chosen = {category for name in names
+              for category in (SPEC_BENCH if name == "spec-bench" else free_text if name == "all" else (name,))}
     return [p for p in rows if p.category in chosen]
 
 
