@@ -89,7 +89,7 @@ def bench(
     num_prompts: Annotated[int, typer.Option("-p", "--num-prompts", help="prompts to run, in turns from each category (0: all)")] = 8,
     tokens: Annotated[int, typer.Option("-n", "--tokens", help="tokens generated per prompt")] = 96,
     kv_mode: Annotated[str | None, typer.Option("--kv-mode", help="mask, fill, full, or all (default: the engine's)")] = None,
-    threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: up to 8)")] = None,
+    threads: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads (default: one per physical core)")] = None,
     flash_attn: FlashAttn = FlashAttnSetting.auto,
     n_gpu_layers: GpuLayers = None,
     rpc_workers: Rpc = None,
