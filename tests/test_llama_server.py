@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 from specee_edge import build_runtime
 from specee_edge.bench import run as bench_run
-from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, DRAFT, DRAFT_SPEC_TYPE, ENV_BINARY, PLAIN, SPEC_TYPES,
-                                            LlamaServer, LlamaServerError, ServerLane, ServerSetup, completion,
+from specee_edge.bench.llama_server import (DEFAULT_SPEC_TYPES, DRAFT, DRAFT_SPEC_TYPE, ENV_BINARY, OFFLOAD_FIRST_LOGGED,
+                                            PLAIN, SPEC_TYPES, LlamaServer, LlamaServerError, ServerLane, ServerSetup, completion,
                                             find_binary, has_terminal, lane_args, parse_spec_types, request_body,
                                             speculates, why_not_speculating)
 from specee_edge.bench.report import LLAMA_CPP_PYTHON, repeat_of
@@ -35,6 +35,7 @@ from specee_edge.errors import SpecEEError
 from specee_edge.grammar import grammar_from_schema, grammar_from_text
 from specee_edge.runtime import Model
 from specee_edge.runtime.placement import Placement
+from tests import test_rpc
 from tests.conftest import CHAT_PROMPT, LLAMA_SERVER_MISSING, tiny_model_path
 
 PROMPTS, TOKENS = 2, 8
@@ -407,3 +408,25 @@ def test_bench_extract_runs_every_lane_under_its_schema(binary, tmp_path):
     # quality against the full model's choices under the grammar: exact mode's answers are its batched evaluation
     assert data["exact"] and data["off_replay"] == 0
     assert "answers under the grammar" in result.output
+
+
+def test_a_server_split_over_an_rpc_worker_is_checked_from_its_log(binary):
+    """The real llama-server given the bench's split over a loopback RPC worker (--rpc, -ngl 10, --offload-first):
+    its log shows the layers offloaded, weights on the worker and the first layers there, and it starts; asked for a
+    device it did not use, or for more layers than it offloaded, it is refused with one line naming what its log
+    lacks."""
+    port = test_rpc.free_port()
+    worker = test_rpc.start_worker(port)
+    endpoint = f"127.0.0.1:{port}"
+    split = lambda devices, layers=10: ServerSetup(  # noqa: E731
+        binary, default_model_path(), threads=1, n_ctx=256, placement=Placement(n_gpu_layers=layers, offload_first=True),
+        workers=(endpoint,), devices=devices)
+    try:
+        with LlamaServer(split((f"RPC0[{endpoint}]",))) as server:
+            log = server.log_path.read_text()
+        assert OFFLOAD_FIRST_LOGGED in log and "offloaded 10/31 layers to GPU" in log
+        with pytest.raises(LlamaServerError, match=r"did not split the model as the other lanes do: it put no weights "
+                                                   r"on CUDA0 \(log: "):
+            LlamaServer(split((f"RPC0[{endpoint}]", "CUDA0")))
+    finally:
+        test_rpc.stop(worker)

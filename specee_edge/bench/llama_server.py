@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -38,7 +39,7 @@ from specee_edge.engine.sampling import GREEDY, SamplingParams
 from specee_edge.errors import SpecEEError
 from specee_edge.grammar import Grammar
 from specee_edge.runtime.costs import Timing
-from specee_edge.runtime.placement import Placement
+from specee_edge.runtime.placement import OFFLOAD_FIRST_KEY, Placement
 
 PLAIN = "llama-server"  # the plain lane's name; a speculative lane is named by its --spec-type, or `draft`
 # llama.cpp's self-speculative types (common/speculative.cpp), each a lane behind --spec-type
@@ -52,6 +53,8 @@ DRAFT_SPEC_TYPE = "draft-simple"
 BUILDER = Path(__file__).resolve().parents[2] / "tools" / "build_llama_server.py"  # in a source checkout
 ENV_BINARY = "SPECEE_LLAMA_SERVER"
 BUILD_MINUTES = "about 30 minutes"  # 40 min measured on a loaded 2-core VM (docs/bench.md)
+# what patches/0013 has llama.cpp log where --offload-first took: a llama-server without it ignores the key
+OFFLOAD_FIRST_LOGGED = f"{OFFLOAD_FIRST_KEY}: the first repeating layers go to the devices"
 START_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 5.0
@@ -103,7 +106,9 @@ def free_port() -> int:
 
 @dataclass
 class ServerSetup:
-    """What every lane's server shares: the bench's model, threads, context and batch size."""
+    """What every lane's server shares: the bench's model, threads, context and batch size, and its split: the
+    placement's flags, the RPC workers its layers live on (--rpc) and the devices the bench's own copy of the model
+    put layers on (Model.layer_devices(): where a server's log must show weights)."""
 
     binary: Path
     model: Path
@@ -112,13 +117,45 @@ class ServerSetup:
     flash_attn: str = "auto"  # -fa, as the bench's other lanes run
     n_batch: int = 512  # llama-cpp-python's Llama default, which the bench's other lanes use
     placement: Placement = field(default_factory=Placement)  # the bench's split, pinned (-ngl, -ts, --fit off, ...)
+    workers: tuple[str, ...] = ()  # host:port of each RPC worker, in the order this process registered them
+    devices: tuple[str, ...] = ()  # the devices other than the CPU that hold the bench's offloaded layers
+
+    @property
+    def splits(self) -> bool:
+        """Whether the model is split over devices, so that the server's log must show the split."""
+        return self.placement.n_gpu_layers > 0 or bool(self.devices)
 
     def args(self, port: int, extra: Sequence[str]) -> list[str]:
-        # --swa-full: a sliding-window model keeps every token's K/V, as the engine's contexts do
+        # --swa-full: a sliding-window model keeps every token's K/V, as the engine's contexts do; -lv 4: llama.cpp
+        # logs where it put the layers (offloaded N/M, each device's buffer) at its INFO level, which the server's
+        # log shows from verbosity 4 (its default, 3, hides it); once at load, a few lines a request after that
         return [str(self.binary), "-m", str(self.model), "-t", str(self.threads), "-tb", str(self.threads),
                 "-c", str(self.n_ctx), "-b", str(self.n_batch), "-ub", str(self.n_batch), "-fa", self.flash_attn,
-                *self.placement.llama_server_args(), "--swa-full",
-                "-np", "1", "--host", "127.0.0.1", "--port", str(port), *extra]
+                *self.placement.llama_server_args(), *(["--rpc", ",".join(self.workers)] if self.workers else []),
+                *(["-lv", "4"] if self.splits else []),
+                "--swa-full", "-np", "1", "--host", "127.0.0.1", "--port", str(port), *extra]
+
+
+def placement_not_taken(log: str, setup: ServerSetup) -> str | None:
+    """What a server's start-up log says against its having split the model as the bench's other lanes do, in a
+    few words; None where it did. llama.cpp logs how many layers it offloaded and each buffer's device; patches/0013
+    logs that the first layers went to the devices (--offload-first), which a stock llama-server, built elsewhere
+    and given as --llama-server-bin, accepts as an unknown key and ignores."""
+    wanted = setup.placement.n_gpu_layers
+    if wanted > 0:
+        offloaded = re.search(r"offloaded (\d+)/(\d+) layers to GPU", log)
+        if offloaded is None:
+            return "its log does not say that it offloaded any layer"
+        done, most = int(offloaded.group(1)), int(offloaded.group(2))
+        if done != min(wanted, most):
+            return f"it offloaded {done} of {most} layers, not {min(wanted, most)}"
+    missing = [device for device in setup.devices if not re.search(rf"{re.escape(device)}\s+model buffer size", log)]
+    if missing:
+        return f"it put no weights on {', '.join(missing)}"
+    if setup.placement.offload_first and OFFLOAD_FIRST_LOGGED not in log:
+        return ("it kept llama.cpp's own order, not --offload-first's (a llama-server without specee-edge's patches "
+                "ignores the key)")
+    return None
 
 
 def draft_args(setup: ServerSetup, draft_model: Path) -> list[str]:
@@ -212,6 +249,7 @@ class LlamaServer:
                                      stdin=subprocess.DEVNULL)
         try:
             self._wait_ready()
+            self._check_placement(setup)
             if speculative:
                 self._check_speculates()
         except BaseException:
@@ -234,6 +272,13 @@ class LlamaServer:
             time.sleep(0.1)
         self.keep_log = True
         raise LlamaServerError(f"llama-server did not start within {START_TIMEOUT_S:.0f} s (log: {self.log_path})")
+
+    def _check_placement(self, setup: ServerSetup) -> None:
+        why = placement_not_taken(self.log_path.read_text(errors="replace"), setup)
+        if why is not None:
+            self.keep_log = True
+            raise LlamaServerError(f"llama-server did not split the model as the other lanes do: {why} "
+                                   f"(log: {self.log_path})")
 
     def _check_speculates(self) -> None:
         why = why_not_speculating(self._get("/slots"))

@@ -33,10 +33,12 @@ from specee_edge.engine.constraint import GrammarConstraint
 from specee_edge.engine.sampling import GREEDY, SamplingParams
 from specee_edge.engine.exit import find_pack
 from specee_edge.errors import SpecEEError
+from specee_edge.gguf_index import GGUFIndex
 from specee_edge.grammar import Grammar, grammar_from_schema
 from specee_edge.pack import EXACT_QUALITY, Pack, parse_quality, read_pack
-from specee_edge.runtime import Context, Model, placement, rpc
+from specee_edge.runtime import Context, Model, device_memory, placement, rpc
 from specee_edge.runtime.costs import DraftSetup, Timing, TokenCosts, cost_lanes, time_rounds
+from specee_edge.runtime.device_memory import Footprint, check_fits, fitting, footprint
 from specee_edge.runtime.weights import TargetWeights
 from specee_edge.threads import default_threads
 
@@ -134,13 +136,14 @@ def bench_qualities(spec: str | None, pack: Pack) -> list[float | None]:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """One SpecEE lane's engine, loaded afresh for each decoding pass (a cold controller in each)."""
+    """One SpecEE lane's engine, made afresh for each decoding pass (a fresh context, a cold controller) on the
+    run's one loaded model: every engine shares its weights."""
 
     name: str                         # the KV mode, `MODE/python`, or NO_PACK
     pack: str | Path | None
     config: EngineConfig
 
-    def load(self, model: Path) -> Engine:
+    def load(self, model: Model) -> Engine:
         return Engine(model, pack=self.pack, config=self.config)
 
 
@@ -188,13 +191,57 @@ def context_names(config: BenchConfig) -> list[str]:
     return [BARE_CONTEXT, *([repeat_of(BARE_CONTEXT)] if config.repeat else [])]
 
 
-def open_servers(config: BenchConfig, names: Sequence[str], stack: ExitStack, dropped: list[str],
+def check_device_memory(config: BenchConfig, model: Model, n_engines: int) -> Footprint:
+    """Before the run loads more than its one copy of the model: whether each pass fits the devices' free memory,
+    else one line naming the pass, the device and what it needs (runtime/device_memory.py). The pass of the Python
+    lanes holds the Llama lanes' copies (vanilla, the peer) and every context: the bare Context lanes', and the
+    engines' of both passes at once where the sampled pass runs (its fresh engines beside the greedy pass's, kept
+    for quality). Where layers are offloaded, llama-server's lanes run in a pass of their own (decode_pass): a copy
+    and a context each, the draft model's offloaded layers for -md, beside the engines' contexts. Returns the
+    model's footprint (nothing offloaded: nothing checked, the weights are the file's shared memory map)."""
+    placed = footprint(GGUFIndex(config.model), model.layer_devices())
+    if not placed.offloaded:
+        return placed
+    free = device_memory.free_bytes()
+    engines = n_engines * (2 if config.sampled else 1)
+    llamas = 1 + int(config.peer)
+    contexts = llamas + len(context_names(config)) + engines
+    check_fits("the bench's pass of the llama-cpp-python and specee-edge lanes",
+               placed.need(llamas, contexts * ENGINE_CTX), free,
+               f"{llamas} more copies of the offloaded weights, {contexts} contexts of {ENGINE_CTX} cells",
+               "lower -ngl, or run fewer lanes (--no-peer, fewer --quality levels or --kv-mode modes, --greedy-only)")
+    servers = server_names(config)
+    if servers:
+        need = placed.need(len(servers), (len(servers) + engines) * ENGINE_CTX)
+        parts = f"{len(servers)} llama-servers' copies of the offloaded weights and contexts, {engines} engines' contexts"
+        if DRAFT in servers and config.draft_model is not None:
+            drafted = draft_footprint(config.draft_model, model.layer_devices()[-1]).need(1, ENGINE_CTX)
+            need = {d: need.get(d, 0) + drafted.get(d, 0) for d in need.keys() | drafted.keys()}
+            parts += ", the draft model's offloaded layers"
+        check_fits("the bench's llama-server pass", need, free, parts,
+                   "lower -ngl, or run fewer llama-server lanes (--spec-type none, --no-repeat, no --draft-model)")
+    return placed
+
+
+def draft_footprint(draft_model: Path, device: str) -> Footprint:
+    """The -md draft model as llama-server places it with -ngld equal to the target's -ngl: llama.cpp's own order
+    (the output and the last layers), on `device` (where the target's output runs)."""
+    index = GGUFIndex(draft_model)
+    n_layer = int(index.value(f"{index.value('general.architecture')}.block_count") or 0)
+    offloaded = min(max(placement.default().n_gpu_layers - 1, 0), n_layer)
+    output = device if placement.default().n_gpu_layers > 0 else device_memory.CPU
+    return footprint(index, [device_memory.CPU] * (n_layer - offloaded) + [device] * offloaded + [output])
+
+
+def open_servers(config: BenchConfig, model: Model, names: Sequence[str], stack: ExitStack, dropped: list[str],
                  suffix: str = "") -> dict[str, LlamaServer]:
-    """A fresh llama-server per lane named, stopped when `stack` closes (success, error or Ctrl+C); a lane whose
-    server does not start, or does not speculate where the lane would, is a line in `dropped` (its name, then
-    `suffix`)."""
+    """A fresh llama-server per lane named, split as `model` is (its placement, its RPC workers), stopped when
+    `stack` closes (success, error or Ctrl+C); a lane whose server does not start, does not split the model so, or
+    does not speculate where the lane would, is a line in `dropped` (its name, then `suffix`)."""
+    chosen = placement.default()
+    devices = tuple(dict.fromkeys(d for d in model.layer_devices() if d != device_memory.CPU))
     setup = ServerSetup(config.llama_server, config.model, config.threads, ENGINE_CTX, config.flash_attn,
-                        placement=placement.default()) if names else None
+                        placement=chosen, workers=tuple(map(str, model.workers)), devices=devices) if names else None
     servers = {}
     for name in names:
         try:
@@ -206,19 +253,26 @@ def open_servers(config: BenchConfig, names: Sequence[str], stack: ExitStack, dr
 
 
 def measure_costs(config: BenchConfig, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
-                  engine: Engine, seq_ctx: int, reporter: Reporter) -> TokenCosts:
+                  engine: Engine, seq_ctx: int, placed: Footprint, reporter: Reporter) -> TokenCosts:
     """The cost lanes, fed vanilla's greedy answers (every token but the last, which no step of its answer fed) in
-    a pass of their own, one round of calibration's procedure (runtime/costs.py time_rounds: the model loaded
-    afresh where the engine's layers are, a few untimed tokens first, the lanes in turns): the speed lanes decode
-    as a user's decoding would, without 16 more contexts evicting their caches between steps (in a micro-benchmark,
-    10 other contexts in turns made a step of the default model 3.7 % dearer than alone)."""
+    a pass of their own, one round of calibration's procedure (runtime/costs.py time_rounds: a few untimed tokens
+    first, the lanes in turns) on the run's model: the speed lanes decode as a user's decoding would, without 16
+    more contexts evicting their caches between steps (in a micro-benchmark, 10 other contexts in turns made a step
+    of the default model 3.7 % dearer than alone). Where the lanes' K/V would not fit the device's free memory
+    together, they run in groups that do, one after another (`placed`: the model's footprint)."""
     setup = draft_setup(engine)
     make_lanes = lambda model: cost_lanes(model, setup, n_ctx=seq_ctx, n_threads=config.threads,  # noqa: E731
                                           k=engine.policy.k, flash_attn=config.flash_attn)
     fed = [([*prompt, *answer[:-1]], len(prompt)) for prompt, answer in zip(prompts, answers)]
+    group = None
+    if placed.offloaded:
+        one_lane = placed.need(copies=0, cells=seq_ctx)
+        group = fitting(device_memory.free_bytes(), one_lane)
+        if group == 0:
+            check_fits("a cost lane", one_lane, device_memory.free_bytes(), f"one context of {seq_ctx} cells",
+                       "lower -ngl or --tokens")
     advance = reporter.task("costs", sum(len(answer) - 1 for answer in answers))
-    return TokenCosts.fit(time_rounds(engine.model.info.path, make_lanes, fed, rounds=1, seed=0, advance=advance,
-                                      placement=engine.config.placement))
+    return TokenCosts.fit(time_rounds(engine.model, make_lanes, fed, rounds=1, seed=0, advance=advance, group=group))
 
 
 @dataclass
@@ -271,11 +325,13 @@ def constraints(config: BenchConfig, model: Model) -> Callable[[], GrammarConstr
 
 def decode_pass(config: BenchConfig, prompts: Sequence[Sequence[int]], model: Model,
                 engines: dict[int, tuple[str, Engine]], names: Sequence[str], with_peer: bool, sampling: SamplingParams, rng: np.random.Generator,
-                dropped: list[str], what: str, reporter: Reporter) -> DecodePass:
+                dropped: list[str], what: str, reporter: Reporter, servers_apart: bool = False) -> DecodePass:
     """Every lane answers every prompt whole, the lanes in an order shuffled per prompt (runner.run_lanes): vanilla
     (Llama.eval, its context the engines' size: attention over a larger cache costs more), the bare Context and its
     repeat (context_names: each its own Context), an engine's lane each, the peer (with_peer) and a llama-server per
-    name, all under the run's grammar if any. A lane that fails is a line in `dropped`."""
+    name, all under the run's grammar if any. servers_apart: the llama-server lanes answer after the others, in a
+    pass of their own once the Llama lanes' copies of the model are freed (each server loads another copy onto the
+    device). A lane that fails is a line in `dropped`."""
     suffix = f", {what}"
     llm = vanilla_llama(config)
     ctxs = [Context(model, n_ctx=ENGINE_CTX, n_threads=config.threads, flash_attn=config.flash_attn)
@@ -291,12 +347,14 @@ def decode_pass(config: BenchConfig, prompts: Sequence[Sequence[int]], model: Mo
         peer = peer_lane(config, model.is_eog, sampling) if with_peer else None
     except Exception as e:  # noqa: BLE001 - an optional lane: llama-cpp-python raises ValueError where it does not load
         dropped.append(f"{PeerLane.name}{suffix}: {one_line(e)}")
+    server_suffix = suffix if what != "greedy" else ""
+    python_lanes: list[Lane] = [vanilla, *contexts, *specee.values(), *([peer] if peer else [])]
+    server_lanes: list[ServerLane] = []
     try:
         with ExitStack() as stack:
-            servers = open_servers(config, names, stack, dropped, suffix if what != "greedy" else "")
-            server_lanes = [ServerLane(name, server, config.tokens, sampling, config.grammar)
-                            for name, server in servers.items()]
-            lanes: list[Lane] = [vanilla, *contexts, *specee.values(), *([peer] if peer else []), *server_lanes]
+            if not servers_apart:
+                server_lanes = server_lanes_of(config, model, names, stack, dropped, server_suffix, sampling)
+            lanes: list[Lane] = [*python_lanes, *server_lanes]
             log = run_lanes(prompts, lanes, rng, reporter.task(f"decoding, {what}", len(prompts) * len(lanes)),
                             workers=model.workers)
     finally:
@@ -305,13 +363,29 @@ def decode_pass(config: BenchConfig, prompts: Sequence[Sequence[int]], model: Mo
             ctx.close()
         if peer is not None:
             peer.close()
-    dropped.extend(f"{lanes[i].name}{suffix}: {message}" for i, message in log.failed.items())
-    gone = {id(lanes[i]) for i in log.failed}
+    failed = [(lanes[i], message) for i, message in log.failed.items()]
+    order = [[lanes[i].name for i in answered] for answered in log.order]
+    if servers_apart and names:
+        with ExitStack() as stack:
+            server_lanes = server_lanes_of(config, model, names, stack, dropped, server_suffix, sampling)
+            log = run_lanes(prompts, server_lanes, rng, reporter.task(f"llama-server, {what}",
+                                                                      len(prompts) * len(server_lanes)),
+                            workers=model.workers, reference=False)
+        failed += [(server_lanes[i], message) for i, message in log.failed.items()]
+        order = [[*before, *(server_lanes[i].name for i in answered)] for before, answered in zip(order, log.order)]
+    dropped.extend(f"{lane.name}{suffix}: {message}" for lane, message in failed)
+    gone = {id(lane) for lane, _ in failed}
     return DecodePass(vanilla=vanilla, contexts={lane.name: lane for lane in contexts if id(lane) not in gone},
                       specee={i: lane for i, lane in specee.items() if id(lane) not in gone},
                       peer=None if peer is None or id(peer) in gone else peer,
-                      servers={lane.name: lane for lane in server_lanes if id(lane) not in gone},
-                      order=[[lanes[i].name for i in order] for order in log.order])
+                      servers={lane.name: lane for lane in server_lanes if id(lane) not in gone}, order=order)
+
+
+def server_lanes_of(config: BenchConfig, model: Model, names: Sequence[str], stack: ExitStack, dropped: list[str],
+                    suffix: str, sampling: SamplingParams) -> list[ServerLane]:
+    """A lane per llama-server that started (open_servers), stopped when `stack` closes."""
+    return [ServerLane(name, server, config.tokens, sampling, config.grammar)
+            for name, server in open_servers(config, model, names, stack, dropped, suffix).items()]
 
 
 def vanilla_llama(config: BenchConfig) -> Llama:
@@ -358,17 +432,33 @@ def tool_lanes(greedy: DecodePass, sampled: DecodePass | None, categories: Seque
 
 
 def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
-    start = time.perf_counter()
+    """The run on one loaded copy of the model, which every engine and Context lane shares; the engines are closed
+    before it, however the run ends."""
     if config.tokens < 2:
         raise SpecEEError("--tokens must be at least 2 (the first token comes from the prompt pass)")
+    with ExitStack() as stack:
+        model = Model(config.model)
+        stack.callback(model.close)
+        return _bench_on(model, config, reporter, stack)
+
+
+def _bench_on(model: Model, config: BenchConfig, reporter: Reporter, stack: ExitStack) -> BenchResult:
+    start = time.perf_counter()
     pack = bench_pack(config)
     if pack is None:  # the lanes that need none: exact mode drafting by prompt lookup, vanilla, the peer
         check_without_pack(config)
     default_level = pack.level() if pack else None
     specs = engine_specs(config, bench_qualities(config.quality, pack) if pack else [])
-    engines = {i: (spec.name, spec.load(config.model)) for i, spec in enumerate(specs)}
+    placed = check_device_memory(config, model, len(specs))
+
+    def load(spec: EngineSpec) -> Engine:
+        engine = spec.load(model)
+        stack.callback(engine.close)
+        return engine
+
+    engines = {i: (spec.name, load(spec)) for i, spec in enumerate(specs)}
     first = engines[0][1]
-    model, n_layer, k = first.model, first.n_layer, first.policy.k if pack else 0
+    n_layer, k = first.n_layer, first.policy.k if pack else 0
     if config.grammar is not None:
         check_grammar(model, config.grammar)
     selected = pick_prompts(bench_prompts(config.prompt_set), config.num_prompts)
@@ -382,7 +472,7 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
 
     # 1. speed: every lane a whole answer at a time, in a shuffled order per prompt, greedy
     greedy = decode_pass(config, prompts, model, engines, server_names(config), config.peer, GREEDY, order, dropped, "greedy",
-                         reporter)
+                         reporter, servers_apart=placed.offloaded)
     # the oracle and perplexity still read the first engine
     kept = [engine for i, (_, engine) in engines.items() if i in greedy.specee or engine is first]
     for _, engine in engines.values():
@@ -399,18 +489,18 @@ def _run_bench(config: BenchConfig, reporter: Reporter) -> BenchResult:
     greedy_stats = {i: lane_stats(lane, categories) for i, lane in greedy.specee.items()}
     greedy_choices = {i: exact_choices(lane, greedy_stats[i], vanilla, categories)
                       for i, lane in greedy.specee.items()}
-    costs = measure_costs(config, prompts, vanilla.outputs, first, seq_ctx, reporter) if pack else None
+    costs = measure_costs(config, prompts, vanilla.outputs, first, seq_ctx, placed, reporter) if pack else None
 
     # 1b. the same lanes, each fresh (new engines: their controllers start cold, as in the greedy pass), with chat's
     # default sampling: every lane draws from one seed per prompt
     sampled: dict[int, SampledResult] = {}
     second = None
     if config.sampled:
-        fresh = {i: (specs[i].name, specs[i].load(config.model)) for i in greedy.specee}
+        fresh = {i: (specs[i].name, load(specs[i])) for i in greedy.specee}
         try:
             second = decode_pass(config, prompts, model, fresh, list(greedy.servers), greedy.peer is not None,
                                  SamplingParams(seed=config.seed),
-                                 order, dropped, "sampled", reporter)
+                                 order, dropped, "sampled", reporter, servers_apart=placed.offloaded)
             sampled = {i: sampled_result(lane, second.vanilla, categories, second.base, bool(model.workers))
                        for i, lane in second.specee.items()}
         finally:

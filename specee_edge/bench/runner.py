@@ -284,13 +284,15 @@ class PassLog:
 
 
 def run_lanes(prompts: Sequence[Sequence[int]], lanes: Sequence[Lane], rng: np.random.Generator,
-              advance: Callable[[int], None] = lambda n: None, *, workers: tuple[Endpoint, ...]) -> PassLog:
+              advance: Callable[[int], None] = lambda n: None, *, workers: tuple[Endpoint, ...],
+              reference: bool = True) -> PassLog:
     """Every lane answers every prompt whole, one lane after another, in an order `rng` shuffles anew for each
     prompt; `advance` counts answers. workers: the RPC workers the lanes' layers live on (each lane's timing counts
     the replies its steps waited for), required so that no pass, greedy or sampled, leaves them uncounted by
     omission. lanes[0] is the reference (vanilla: the answers quality compares with, the tokens the cost lanes
     decode): where it raises, the run ends with one line (SpecEEError). Any other lane that raises (a peer's bug, a
-    server that died) is dropped, a line in the log, and the others go on."""
+    server that died) is dropped, a line in the log, and the others go on. reference=False: a pass of other lanes
+    alone (llama-server's, after the reference's pass), where any lane that raises is dropped."""
     watch = Stopwatch(workers)
     log = PassLog()
     for prompt in prompts:
@@ -302,7 +304,7 @@ def run_lanes(prompts: Sequence[Sequence[int]], lanes: Sequence[Lane], rng: np.r
             try:
                 lanes[i].answer(prompt, watch)
             except Exception as e:  # noqa: BLE001 - any lane's error drops that lane only; the reference's ends the run
-                if i == 0:
+                if i == 0 and reference:
                     raise reference_failed(e) from None
                 log.failed[i] = one_line(e)
             advance(1)

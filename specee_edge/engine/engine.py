@@ -119,11 +119,19 @@ def draft_confidence(logits: np.ndarray, candidates: Sequence[int]) -> float:
 
 
 class Engine:
-    def __init__(self, model: str | os.PathLike | None = None, pack: str | os.PathLike | None = AUTO,
+    def __init__(self, model: str | os.PathLike | Model | None = None, pack: str | os.PathLike | None = AUTO,
                  config: EngineConfig | None = None):
+        """model: a GGUF's path (None: the default model), loaded for this engine alone; or a loaded Model that
+        several engines share (the bench's lanes: one copy of the offloaded weights on the device, not one per
+        engine), which stays open when the engine closes, its placement the one it was loaded with."""
         self.config = config or EngineConfig()
-        model_path = Path(model) if model is not None else default_model_path()
-        self.model = Model(model_path, placement=self.config.placement)
+        self._owns_model = not isinstance(model, Model)
+        if isinstance(model, Model):
+            self.model = model
+        else:
+            self.model = Model(Path(model) if model is not None else default_model_path(),
+                               placement=self.config.placement)
+        model_path = self.model.info.path
         self.n_layer = self.model.info.n_layer
         # the end-of-generation tokens, at which exact mode's lookup drafts are cut: found now (a scan of the
         # vocabulary), not on the first round of the first reply
@@ -748,6 +756,7 @@ class Engine:
         """Free the native context and model now, and let go of the pack (and the target's memory map its
         draft reads embeddings from), instead of whenever the garbage collector runs."""
         self.ctx.close()
-        self.model.close()
+        if self._owns_model:
+            self.model.close()
         self.policy = None
         self.speculative = False

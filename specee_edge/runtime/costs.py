@@ -61,6 +61,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from functools import partial
 
 import numpy as np
 
@@ -125,18 +126,23 @@ class DraftSetup:
 
 @dataclass
 class CostLane:
-    """One context decoding the fed tokens one at a time (the forced parts: its name)."""
+    """One context decoding the fed tokens one at a time (the forced parts: its name). Its context is `ctx`, or,
+    where that is None, made by `opener` at the lane's first start: time_rounds then holds only a group's contexts
+    at once (their K/V on a GPU) and closes them before the next group's."""
 
     name: str
-    ctx: Context
+    ctx: Context | None
     layers_run: int
     timing: Timing = field(default_factory=Timing)
     samples: list[float] = field(default_factory=list)  # ms of each timed token
     in_graph_draft: bool = False  # samples are the in-graph draft timer's, not the decode's wall time
     split: int | None = None  # the plain lane: the first layer on another device (the stops are on both sides)
     placement: str = ""  # ... and where the layers ran (Model.placement_text())
+    opener: Callable[[], Context] | None = None
 
     def start(self, prompt: Sequence[int]) -> None:
+        if self.ctx is None:
+            self.ctx = self.opener()
         self.ctx.clear()
         self.ctx.decode(list(prompt))
 
@@ -149,6 +155,10 @@ class CostLane:
 
     def restart_timing(self) -> None:
         self.timing, self.samples = Timing(), []
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            self.ctx.close()
 
 
 def priced_split(split: int | None, n_layer: int) -> int | None:
@@ -192,7 +202,8 @@ def checked_context(model: Model, setup: DraftSetup, layers: list[int], *, thres
 
 def cost_lanes(model: Model, setup: DraftSetup, *, n_ctx: int, n_threads: int, k: int,
                flash_attn: str = "auto") -> list[CostLane]:
-    """The lanes of the module docstring, on fresh contexts; their stops on both sides of the model's split."""
+    """The lanes of the module docstring, each opening a fresh context at its first start; their stops on both sides
+    of the model's split."""
     n_layer = model.info.n_layer
     split = first_crossing(model.layer_devices())
 
@@ -215,15 +226,18 @@ def cost_lanes(model: Model, setup: DraftSetup, *, n_ctx: int, n_threads: int, k
         ctx.set_probe_callback(lambda il, cand_logits: kind)
         return ctx
 
-    lanes = [CostLane("plain", context(None), n_layer, split=split, placement=model.placement_text()),
-             CostLane("checked_one", checked([n_layer - 1]), n_layer),
-             CostLane("checked_all", checked(list(range(n_layer))), n_layer),
-             CostLane("draft", timed_draft(), n_layer, in_graph_draft=True)]
+    def lane(name: str, opener: Callable[[], Context], layers_run: int, **kwargs) -> CostLane:
+        return CostLane(name, None, layers_run, opener=opener, **kwargs)
+
+    lanes = [lane("plain", lambda: context(None), n_layer, split=split, placement=model.placement_text()),
+             lane("checked_one", lambda: checked([n_layer - 1]), n_layer),
+             lane("checked_all", lambda: checked(list(range(n_layer))), n_layer),
+             lane("draft", timed_draft, n_layer, in_graph_draft=True)]
     for layer in stop_layers(n_layer, split):
-        lanes += [CostLane(f"stop_mask@{layer}", checked([layer], threshold=-1.0), layer + 1),
-                  CostLane(f"stop_fill@{layer}", checked([layer], threshold=-1.0, kv_mode="fill"), layer + 1),
-                  CostLane(f"stop_free@{layer}", stopping(layer, ExitKind.HEAD_FREE), layer + 1),
-                  CostLane(f"stop_head@{layer}", stopping(layer, ExitKind.VERIFIED), layer + 1)]
+        lanes += [lane(f"stop_mask@{layer}", partial(checked, [layer], threshold=-1.0), layer + 1),
+                  lane(f"stop_fill@{layer}", partial(checked, [layer], threshold=-1.0, kv_mode="fill"), layer + 1),
+                  lane(f"stop_free@{layer}", partial(stopping, layer, ExitKind.HEAD_FREE), layer + 1),
+                  lane(f"stop_head@{layer}", partial(stopping, layer, ExitKind.VERIFIED), layer + 1)]
     return lanes
 
 
@@ -416,12 +430,15 @@ def measure_costs(model_path: str | os.PathLike, setup: DraftSetup, answers: Seq
     return TokenCosts.fit(time_rounds(model_path, make_lanes, answers, rounds=rounds, seed=seed, advance=advance), seed)
 
 
-def time_rounds(model_path: str | os.PathLike, make_lanes: Callable[[Model], list[CostLane]],
+def time_rounds(model: str | os.PathLike | Model, make_lanes: Callable[[Model], list[CostLane]],
                 answers: Sequence[tuple[Sequence[int], int]], *, rounds: int, seed: int,
-                advance: Callable[[int], None] = lambda n: None, placement: Placement | None = None) -> list[list[CostLane]]:
-    """Rounds of lanes (make_lanes' on a freshly loaded model each, its layers where `placement` puts them) that
-    decoded `answers` in turns, timed after a few untimed warm-up tokens (see measure_costs); their contexts are
-    closed, their samples kept."""
+                advance: Callable[[float], None] = lambda n: None, placement: Placement | None = None,
+                group: int | None = None) -> list[list[CostLane]]:
+    """Rounds of lanes (make_lanes' on a freshly loaded model each, its layers where `placement` puts them; or on
+    `model` where it is a loaded Model, left open) that decoded `answers` in turns, timed after a few untimed
+    warm-up tokens (see measure_costs); their contexts are closed, their samples kept. group: at most this many
+    lanes hold a context at once (where their K/V would not fit a GPU together), the groups one after another over
+    the same tokens, each warmed up; None: every lane at once."""
     rng = np.random.default_rng(seed)
 
     def in_turns(lanes: list[CostLane], answers: Sequence[tuple[Sequence[int], int]], advance) -> None:
@@ -436,17 +453,23 @@ def time_rounds(model_path: str | os.PathLike, make_lanes: Callable[[Model], lis
     (first, n_first), *_ = answers
     timed = []
     for _ in range(rounds):
-        model = Model(model_path, placement=placement)
+        loaded = model if isinstance(model, Model) else Model(model, placement=placement)
         lanes = []
         try:
-            lanes = make_lanes(model)
-            in_turns(lanes, [(first[: n_first + WARMUP_TOKENS], n_first)], lambda n: None)
-            for lane in lanes:
-                lane.restart_timing()
-            in_turns(lanes, answers, advance)
+            lanes = make_lanes(loaded)
+            size = group or len(lanes)
+            groups = [lanes[i:i + size] for i in range(0, len(lanes), size)]
+            for members in groups:
+                in_turns(members, [(first[: n_first + WARMUP_TOKENS], n_first)], lambda n: None)
+                for lane in members:
+                    lane.restart_timing()
+                in_turns(members, answers, lambda n: advance(n / len(groups)))
+                for lane in members:
+                    lane.close()
         finally:
             for lane in lanes:
-                lane.ctx.close()
-            model.close()
+                lane.close()
+            if loaded is not model:
+                loaded.close()
         timed.append(lanes)
     return timed
