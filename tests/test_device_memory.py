@@ -12,7 +12,7 @@ import pytest
 
 from specee_edge.bench import run as bench_run
 from specee_edge.bench.llama_server import OFFLOAD_FIRST_LOGGED, ServerSetup, placement_not_taken
-from specee_edge.bench.run import BenchConfig, check_device_memory, draft_setup
+from specee_edge.bench.run import BenchConfig, check_device_memory, draft_setup, server_names
 from specee_edge.engine import Engine, EngineConfig
 from specee_edge.engine.sampling import GREEDY
 from specee_edge.errors import SpecEEError
@@ -102,18 +102,18 @@ def test_the_bench_checks_every_pass_against_free_memory_before_loading(default_
     faked(default_model, devices, monkeypatch, {"GPU0": int(python_need * (1 + MARGIN)) - 1})
     with pytest.raises(SpecEEError, match=r"^the bench's pass of the llama-cpp-python and specee-edge lanes does not "
                                           r"fit: it needs [\d.]+ GiB on GPU0.*2 more copies.*8 contexts"):
-        check_device_memory(config, default_model, engines)
+        check_device_memory(config, default_model, engines, [])
     faked(default_model, devices, monkeypatch, {"GPU0": int(python_need * (1 + MARGIN)) + 1})
-    assert check_device_memory(config, default_model, engines) == placed and placed.offloaded
+    assert check_device_memory(config, default_model, engines, []) == placed and placed.offloaded
 
     servers = BenchConfig(model=default_model.info.path, llama_server=Path("llama-server"), spec_types=["ngram-mod"])
     server_need = placed.need(copies=3, cells=(3 + 2 * engines) * bench_run.ENGINE_CTX)["GPU0"]
     faked(default_model, devices, monkeypatch, {"GPU0": int(server_need * (1 + MARGIN)) - 1})
     with pytest.raises(SpecEEError, match=r"^the bench's llama-server pass does not fit.*3 llama-servers'"):
-        check_device_memory(servers, default_model, engines)
+        check_device_memory(servers, default_model, engines, server_names(servers))
 
     monkeypatch.undo()
-    assert not check_device_memory(config, default_model, engines).offloaded  # all on the CPU: nothing to check
+    assert not check_device_memory(config, default_model, engines, []).offloaded  # all on the CPU: nothing to check
 
 
 def test_cost_lanes_in_groups_time_every_lane_over_the_same_tokens(default_model):
@@ -154,10 +154,8 @@ def test_a_server_that_did_not_split_as_the_bench_does_is_named():
     """llama.cpp's own log lines (llama-model.cpp's load_tensors, patches/0013's): the server's lane is kept only
     where it offloaded the layers asked, put weights on each device the bench's model uses, and, for
     --offload-first, took the first layers there (a stock llama-server ignores the key)."""
-    workers = ("127.0.0.1:50052",)
     setup = lambda placement, devices=("RPC0[127.0.0.1:50052]",): ServerSetup(  # noqa: E731
-        Path("llama-server"), Path("m.gguf"), threads=2, n_ctx=512, placement=placement, workers=workers,
-        devices=devices)
+        Path("llama-server"), Path("m.gguf"), threads=2, n_ctx=512, placement=placement, devices=devices)
     assert placement_not_taken(LOG, setup(Placement(n_gpu_layers=20))) is None
     assert placement_not_taken(LOG, setup(Placement(n_gpu_layers=25))) == "it offloaded 20 of 31 layers, not 25"
     assert placement_not_taken("", setup(Placement(n_gpu_layers=20))) == "its log does not say that it offloaded any layer"
@@ -166,5 +164,5 @@ def test_a_server_that_did_not_split_as_the_bench_does_is_named():
     assert "--offload-first" in placement_not_taken(LOG, setup(first))
     assert placement_not_taken(f"llama_model_load: {OFFLOAD_FIRST_LOGGED}\n{LOG}", setup(first)) is None
     assert placement_not_taken("", setup(Placement(), ())) is None  # nothing offloaded: nothing to check
-    argv = setup(first).args(8080, [])
-    assert argv[argv.index("--rpc") + 1] == "127.0.0.1:50052"
+    argv = setup(first).args(8080, [])  # a split server logs where it put the layers: verbosity 4
+    assert argv[argv.index("-lv") + 1] == "4" and "-lv" not in setup(Placement(), ()).args(8080, [])

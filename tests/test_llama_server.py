@@ -10,6 +10,7 @@ import re
 import subprocess
 import tarfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -411,22 +412,62 @@ def test_bench_extract_runs_every_lane_under_its_schema(binary, tmp_path):
 
 
 def test_a_server_split_over_an_rpc_worker_is_checked_from_its_log(binary):
-    """The real llama-server given the bench's split over a loopback RPC worker (--rpc, -ngl 10, --offload-first):
-    its log shows the layers offloaded, weights on the worker and the first layers there, and it starts; asked for a
-    device it did not use, or for more layers than it offloaded, it is refused with one line naming what its log
-    lacks."""
+    """The real llama-server given a split over a loopback RPC worker (a second device on this CPU; -ngl 10,
+    --offload-first): its log shows the layers offloaded, weights on the worker and the first layers there, and it
+    starts; asked for a device it did not use, it is refused with one line naming what its log lacks."""
     port = test_rpc.free_port()
     worker = test_rpc.start_worker(port)
     endpoint = f"127.0.0.1:{port}"
     split = lambda devices, layers=10: ServerSetup(  # noqa: E731
         binary, default_model_path(), threads=1, n_ctx=256, placement=Placement(n_gpu_layers=layers, offload_first=True),
-        workers=(endpoint,), devices=devices)
+        devices=devices)
     try:
-        with LlamaServer(split((f"RPC0[{endpoint}]",))) as server:
+        with LlamaServer(split((f"RPC0[{endpoint}]",)), ["--rpc", endpoint]) as server:
             log = server.log_path.read_text()
         assert OFFLOAD_FIRST_LOGGED in log and "offloaded 10/31 layers to GPU" in log
         with pytest.raises(LlamaServerError, match=r"did not split the model as the other lanes do: it put no weights "
                                                    r"on CUDA0 \(log: "):
-            LlamaServer(split((f"RPC0[{endpoint}]", "CUDA0")))
+            LlamaServer(split((f"RPC0[{endpoint}]", "CUDA0")), ["--rpc", endpoint])
     finally:
         test_rpc.stop(worker)
+
+
+@pytest.mark.slow
+def test_a_bench_split_over_an_rpc_worker_shares_one_copy_and_says_why_llama_server_cannot_run(binary, tmp_path):
+    """`bench --rpc WORKER -ngl 20 --offload-first` in a process of its own (ggml keeps a registered worker for the
+    life of a process): the worker holds layers 0-18 and the output, the free memory it reports is checked before
+    loading, and the Python lanes answer on one loaded copy. ggml's rpc-server serves one client at a time and the
+    bench holds the worker, so each llama-server lane is one line saying so (it would wait for the worker until its
+    start timed out) and the baseline moves to Llama.eval."""
+    port = test_rpc.free_port()
+    worker = test_rpc.start_worker(port)
+    out = tmp_path / "bench.json"
+    try:
+        proc = subprocess.run(
+            [str(test_rpc.CLI), "bench", "-p", "1", "-n", str(TOKENS), "-t", "1", "--ppl-tokens", "16", "--no-peer",
+             "--no-lookup-lane", "--spec-type", "none", "--quality", "exact", "--greedy-only",
+             "--rpc", f"127.0.0.1:{port}", "-ngl", "20", "--offload-first", "--llama-server-bin", str(binary),
+             "--json", str(out)], capture_output=True, text=True, timeout=600)
+    finally:
+        test_rpc.stop(worker)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert [line.split(":")[0] for line in data["dropped"]] == [PLAIN, repeat_of(PLAIN)]
+    assert all("serve one client at a time" in line for line in data["dropped"])
+    assert data["baseline"] == LLAMA_CPP_PYTHON and PLAIN not in data["tools"]
+    (order,) = data["lane_order"]["greedy"]
+    assert {LLAMA_CPP_PYTHON, ContextLane.name, repeat_of(ContextLane.name)} <= set(order)
+    assert "RPC0" in data["placement"]
+
+
+def test_llama_server_lanes_are_not_run_where_this_process_holds_rpc_workers():
+    """ggml's rpc-server serves one client at a time: with the bench's layers on workers, each llama-server lane is
+    a line saying so, not a server that waits for them until its start times out."""
+    config = BenchConfig(model=default_model_path(), llama_server=Path("llama-server"), spec_types=["ngram-mod"])
+    on_workers, on_this_machine = SimpleNamespace(workers=("127.0.0.1:50052",)), SimpleNamespace(workers=())
+    dropped: list[str] = []
+    assert bench_run.reachable_servers(config, on_this_machine, dropped) == bench_run.server_names(config)
+    assert dropped == []
+    assert bench_run.reachable_servers(config, on_workers, dropped) == []
+    assert dropped == [f"{name}: not run: the RPC workers (127.0.0.1:50052) serve one client at a time, and this "
+                       "bench holds them" for name in (PLAIN, repeat_of(PLAIN), "ngram-mod")]

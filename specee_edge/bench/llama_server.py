@@ -107,8 +107,8 @@ def free_port() -> int:
 @dataclass
 class ServerSetup:
     """What every lane's server shares: the bench's model, threads, context and batch size, and its split: the
-    placement's flags, the RPC workers its layers live on (--rpc) and the devices the bench's own copy of the model
-    put layers on (Model.layer_devices(): where a server's log must show weights)."""
+    placement's flags and the devices the bench's own copy of the model put layers on (Model.layer_devices(): where
+    a server's log must show weights)."""
 
     binary: Path
     model: Path
@@ -117,7 +117,6 @@ class ServerSetup:
     flash_attn: str = "auto"  # -fa, as the bench's other lanes run
     n_batch: int = 512  # llama-cpp-python's Llama default, which the bench's other lanes use
     placement: Placement = field(default_factory=Placement)  # the bench's split, pinned (-ngl, -ts, --fit off, ...)
-    workers: tuple[str, ...] = ()  # host:port of each RPC worker, in the order this process registered them
     devices: tuple[str, ...] = ()  # the devices other than the CPU that hold the bench's offloaded layers
 
     @property
@@ -131,7 +130,7 @@ class ServerSetup:
         # log shows from verbosity 4 (its default, 3, hides it); once at load, a few lines a request after that
         return [str(self.binary), "-m", str(self.model), "-t", str(self.threads), "-tb", str(self.threads),
                 "-c", str(self.n_ctx), "-b", str(self.n_batch), "-ub", str(self.n_batch), "-fa", self.flash_attn,
-                *self.placement.llama_server_args(), *(["--rpc", ",".join(self.workers)] if self.workers else []),
+                *self.placement.llama_server_args(),
                 *(["-lv", "4"] if self.splits else []),
                 "--swa-full", "-np", "1", "--host", "127.0.0.1", "--port", str(port), *extra]
 

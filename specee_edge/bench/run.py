@@ -185,13 +185,25 @@ def server_names(config: BenchConfig) -> list[str]:
             *([DRAFT] if config.draft_model else [])]
 
 
+def reachable_servers(config: BenchConfig, model: Model, dropped: list[str]) -> list[str]:
+    """server_names, but none where the model's layers live on RPC workers: ggml's rpc-server serves one client at
+    a time, and this process holds the workers for the whole run, so a llama-server could not load its layers there
+    (it would wait for them until its start timed out). Each lane left out is a line in `dropped`."""
+    names = server_names(config)
+    if names and model.workers:
+        dropped.extend(f"{name}: not run: the RPC workers ({', '.join(map(str, model.workers))}) serve one client at "
+                       "a time, and this bench holds them" for name in names)
+        return []
+    return names
+
+
 def context_names(config: BenchConfig) -> list[str]:
     """The bare Context lanes: the control, then its repeat. A repeat is a fresh equal twin of a lane, its ratio to
     it the run's noise (RepeatResult)."""
     return [BARE_CONTEXT, *([repeat_of(BARE_CONTEXT)] if config.repeat else [])]
 
 
-def check_device_memory(config: BenchConfig, model: Model, n_engines: int) -> Footprint:
+def check_device_memory(config: BenchConfig, model: Model, n_engines: int, servers: Sequence[str]) -> Footprint:
     """Before the run loads more than its one copy of the model: whether each pass fits the devices' free memory,
     else one line naming the pass, the device and what it needs (runtime/device_memory.py). The pass of the Python
     lanes holds the Llama lanes' copies (vanilla, the peer) and every context: the bare Context lanes', and the
@@ -210,7 +222,6 @@ def check_device_memory(config: BenchConfig, model: Model, n_engines: int) -> Fo
                placed.need(llamas, contexts * ENGINE_CTX), free,
                f"{llamas} more copies of the offloaded weights, {contexts} contexts of {ENGINE_CTX} cells",
                "lower -ngl, or run fewer lanes (--no-peer, fewer --quality levels or --kv-mode modes, --greedy-only)")
-    servers = server_names(config)
     if servers:
         need = placed.need(len(servers), (len(servers) + engines) * ENGINE_CTX)
         parts = f"{len(servers)} llama-servers' copies of the offloaded weights and contexts, {engines} engines' contexts"
@@ -235,13 +246,13 @@ def draft_footprint(draft_model: Path, device: str) -> Footprint:
 
 def open_servers(config: BenchConfig, model: Model, names: Sequence[str], stack: ExitStack, dropped: list[str],
                  suffix: str = "") -> dict[str, LlamaServer]:
-    """A fresh llama-server per lane named, split as `model` is (its placement, its RPC workers), stopped when
+    """A fresh llama-server per lane named, split as `model` is (its placement), stopped when
     `stack` closes (success, error or Ctrl+C); a lane whose server does not start, does not split the model so, or
     does not speculate where the lane would, is a line in `dropped` (its name, then `suffix`)."""
     chosen = placement.default()
     devices = tuple(dict.fromkeys(d for d in model.layer_devices() if d != device_memory.CPU))
     setup = ServerSetup(config.llama_server, config.model, config.threads, ENGINE_CTX, config.flash_attn,
-                        placement=chosen, workers=tuple(map(str, model.workers)), devices=devices) if names else None
+                        placement=chosen, devices=devices) if names else None
     servers = {}
     for name in names:
         try:
@@ -449,7 +460,9 @@ def _bench_on(model: Model, config: BenchConfig, reporter: Reporter, stack: Exit
         check_without_pack(config)
     default_level = pack.level() if pack else None
     specs = engine_specs(config, bench_qualities(config.quality, pack) if pack else [])
-    placed = check_device_memory(config, model, len(specs))
+    dropped = list(config.dropped)
+    servers = reachable_servers(config, model, dropped)
+    placed = check_device_memory(config, model, len(specs), servers)
 
     def load(spec: EngineSpec) -> Engine:
         engine = spec.load(model)
@@ -467,11 +480,10 @@ def _bench_on(model: Model, config: BenchConfig, reporter: Reporter, stack: Exit
     if seq_ctx > ENGINE_CTX:
         raise SpecEEError(f"a prompt and its answer ({seq_ctx} tokens) must fit {ENGINE_CTX}: lower --tokens")
     heldout = first.tokenize(heldout_text())[: min(config.ppl_tokens or ENGINE_CTX, ENGINE_CTX)]
-    dropped = list(config.dropped)
     order = np.random.default_rng(config.seed)  # the lanes' order, shuffled per prompt in both passes
 
     # 1. speed: every lane a whole answer at a time, in a shuffled order per prompt, greedy
-    greedy = decode_pass(config, prompts, model, engines, server_names(config), config.peer, GREEDY, order, dropped, "greedy",
+    greedy = decode_pass(config, prompts, model, engines, servers, config.peer, GREEDY, order, dropped, "greedy",
                          reporter, servers_apart=placed.offloaded)
     # the oracle and perplexity still read the first engine
     kept = [engine for i, (_, engine) in engines.items() if i in greedy.specee or engine is first]
