@@ -277,11 +277,9 @@ def measure_costs(config: BenchConfig, prompts: Sequence[Sequence[int]], answers
     fed = [([*prompt, *answer[:-1]], len(prompt)) for prompt, answer in zip(prompts, answers)]
     group = None
     if placed.offloaded:
-        one_lane = placed.need(copies=0, cells=seq_ctx)
-        group = fitting(device_memory.free_bytes(), one_lane)
-        if group == 0:
-            check_fits("a cost lane", one_lane, device_memory.free_bytes(), f"one context of {seq_ctx} cells",
-                       "lower -ngl or --tokens")
+        one_lane, free = placed.need(copies=0, cells=seq_ctx), device_memory.free_bytes()
+        check_fits("a cost lane", one_lane, free, f"one context of {seq_ctx} cells", "lower -ngl or --tokens")
+        group = fitting(free, one_lane)
     advance = reporter.task("costs", sum(len(answer) - 1 for answer in answers))
     return TokenCosts.fit(time_rounds(engine.model, make_lanes, fed, rounds=1, seed=0, advance=advance, group=group))
 
