@@ -19,7 +19,8 @@ from specee_edge.bench.llama_server import PLAIN
 from specee_edge.bench.quality import Agreement, Perplexity
 from specee_edge.bench.report import (BARE_CONTEXT, LLAMA_CPP_PYTHON, BenchResult, RepeatResult, ToolLane,
                                       _plot_tradeoff, category_ratio, drift_line, drifts, ratio, repeat_of)
-from specee_edge.bench.run import (NO_PACK, BenchConfig, DecodePass, context_names, interval_by_category, lane_speed,
+from specee_edge.bench.run import (NO_PACK, BenchConfig, DecodePass, context_names, cost_answers, interval_by_category,
+                                   lane_speed,
                                    lane_stats, mode_result, repeat_results, sampled_result, server_names,
                                    speedup_by_category, tool_lane)
 from specee_edge.bench.runner import SpecEELane
@@ -176,6 +177,14 @@ def test_plain_and_the_bare_context_each_have_a_repeat_lane_unless_turned_off():
     assert server_names(dataclasses.replace(with_server, llama_server=None)) == []
     off = dataclasses.replace(with_server, repeat=False)
     assert server_names(off) == [PLAIN, "ngram-mod"] and context_names(off) == [BARE_CONTEXT]
+
+
+def test_the_cost_lanes_take_whole_answers_up_to_their_token_budget_and_at_least_one():
+    fed = [([7] * 10 + [1] * 63, 10) for _ in range(15)]  # 15 prompts of 10 tokens, answers of 63 steps
+    assert cost_answers(fed, limit=256) == fed[:4]  # 252 steps: a fifth answer would pass the budget
+    assert cost_answers(fed, limit=252) == fed[:4] and cost_answers(fed, limit=251) == fed[:3]
+    assert cost_answers(fed, limit=10) == fed[:1]  # an answer longer than the budget is still timed whole
+    assert cost_answers(fed[:2], limit=10_000) == fed[:2]
 
 
 def test_each_repeat_is_read_against_its_twin_with_the_paired_interval():

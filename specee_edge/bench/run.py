@@ -44,6 +44,11 @@ from specee_edge.threads import default_threads
 
 ENGINE_CTX = 2048  # the engines' context: a prompt and its answer, or the held-out text
 NO_PACK = "no pack"  # the lane of the engine without a pack
+# the cost lanes' tokens: whole answers, the first ones in the run's order (its categories in turns), up to this many
+# timed steps, at least one answer. Each token is a step of every cost lane (16 with a pack of k = 4): on
+# Qwen2.5-Coder-1.5B, 181 tokens took 160 s of a 3-prompt run's 619 s on 2 cores. Calibration prices its decisions
+# from 3 answers of 32 tokens a round.
+COST_TOKENS = 256
 
 
 class Reporter(Protocol):
@@ -265,23 +270,35 @@ def open_servers(config: BenchConfig, model: Model, names: Sequence[str], stack:
 
 def measure_costs(config: BenchConfig, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
                   engine: Engine, seq_ctx: int, placed: Footprint, reporter: Reporter) -> TokenCosts:
-    """The cost lanes, fed vanilla's greedy answers (every token but the last, which no step of its answer fed) in
-    a pass of their own, one round of calibration's procedure (runtime/costs.py time_rounds: a few untimed tokens
-    first, the lanes in turns) on the run's model: the speed lanes decode as a user's decoding would, without 16
-    more contexts evicting their caches between steps (in a micro-benchmark, 10 other contexts in turns made a step
-    of the default model 3.7 % dearer than alone). Where the lanes' K/V would not fit the device's free memory
-    together, they run in groups that do, one after another (`placed`: the model's footprint)."""
+    """The cost lanes, fed vanilla's first greedy answers (cost_answers; every token but the last, which no step of
+    its answer fed) in a pass of their own, one round of calibration's procedure (runtime/costs.py time_rounds: a
+    few untimed tokens first, the lanes in turns) on the run's model: the speed lanes decode as a user's decoding
+    would, without 16 more contexts evicting their caches between steps (in a micro-benchmark, 10 other contexts in
+    turns made a step of the default model 3.7 % dearer than alone). Where the lanes' K/V would not fit the device's
+    free memory together, they run in groups that do, one after another (`placed`: the model's footprint)."""
     setup = draft_setup(engine)
     make_lanes = lambda model: cost_lanes(model, setup, n_ctx=seq_ctx, n_threads=config.threads,  # noqa: E731
                                           k=engine.policy.k, flash_attn=config.flash_attn)
-    fed = [([*prompt, *answer[:-1]], len(prompt)) for prompt, answer in zip(prompts, answers)]
+    fed = cost_answers([([*prompt, *answer[:-1]], len(prompt)) for prompt, answer in zip(prompts, answers)])
     group = None
     if placed.offloaded:
         one_lane, free = placed.need(copies=0, cells=seq_ctx), device_memory.free_bytes()
         check_fits("a cost lane", one_lane, free, f"one context of {seq_ctx} cells", "lower -ngl or --tokens")
         group = fitting(free, one_lane)
-    advance = reporter.task("costs", sum(len(answer) - 1 for answer in answers))
+    advance = reporter.task("costs", sum(len(tokens) - n_prompt for tokens, n_prompt in fed))
     return TokenCosts.fit(time_rounds(engine.model, make_lanes, fed, rounds=1, seed=0, advance=advance, group=group))
+
+
+def cost_answers(fed: Sequence[tuple[list[int], int]], limit: int = COST_TOKENS) -> list[tuple[list[int], int]]:
+    """The first of `fed` (a prompt and its answer, the prompt's length) whose answers hold at most `limit` steps
+    together, at least the first."""
+    kept, steps = [], 0
+    for tokens, n_prompt in fed:
+        steps += len(tokens) - n_prompt
+        if kept and steps > limit:
+            break
+        kept.append((tokens, n_prompt))
+    return kept
 
 
 @dataclass
