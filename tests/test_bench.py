@@ -129,6 +129,10 @@ def test_every_lane_answers_whole_in_a_shuffled_order_and_every_speedup_has_its_
     bare = data["tools"][ContextLane.name]
     assert bare["tok_s"] > 0 and bare["identical"] == 1.0
     assert data["bare_ms_per_token"]["layers"] > 0 and data["bare_ms_per_token"]["other"] >= 0
+    # Llama.eval's step split alike: its eval beside the bare Context's decode, its text and stop strings in other
+    vanilla_parts = data["vanilla_ms_per_token"]
+    assert vanilla_parts["layers"] > 0 and vanilla_parts["sample"] > 0 and vanilla_parts["other"] > 0
+    assert sum(vanilla_parts.values()) == pytest.approx(1e3 / data["vanilla_tok_s"], rel=1e-6)
     # its repeat, a fresh equal twin, read against it: the run's noise
     [repeat] = data["repeats"]
     twin = data["tools"][repeat_of(ContextLane.name)]["tok_s"] / bare["tok_s"]

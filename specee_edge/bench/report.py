@@ -288,6 +288,7 @@ class BenchResult:
     baseline_sampled: str | None = None         # ... in the sampled pass
     tools: dict[str, ToolLane] = field(default_factory=dict)  # llama-server's lanes and the Llama.eval lane
     bare_ms_per_token: dict[str, float] | None = None  # the bare Context lane's TIME_PARTS (greedy): the floor of other
+    vanilla_ms_per_token: dict[str, float] | None = None  # the Llama.eval lane's (greedy): layers is Llama.eval's decode
     dropped: list[str] = field(default_factory=list)  # lanes that failed (to build, start or decode), a line each
     notes: list[str] = field(default_factory=list)    # what those failures changed (the baseline moved), a line each
     # the lanes' order, shuffled per prompt: {seed, greedy, sampled (None with --greedy-only)}, each a list per prompt
@@ -600,8 +601,10 @@ class BenchResult:
         return table
 
     def _time_split(self) -> Table:
-        table = Table(title="ms per decode step", caption="bare: the Context lane, nothing but the decode and the draw"
-                      if self.bare_ms_per_token else None)
+        captions = [*(["bare: the Context lane, nothing but the decode and the draw"] if self.bare_ms_per_token else []),
+                    *(["Llama.eval: layers is its eval, other its token's text and stop strings"]
+                      if self.vanilla_ms_per_token else [])]
+        table = Table(title="ms per decode step", caption="; ".join(captions) or None)
         table.add_column("part", style="bold")
         parts = [m.ms_per_token for m in self.modes]
         steps = [f"{1e3 / m.specee_tok_s:.3f}" if m.specee_tok_s else "-" for m in self.modes]
@@ -612,6 +615,10 @@ class BenchResult:
             table.add_column("bare", justify="right")
             parts.append(self.bare_ms_per_token)
             steps.append(f"{1e3 / bare.tok_s:.3f}" if bare and bare.tok_s else "-")
+        if self.vanilla_ms_per_token:
+            table.add_column("Llama.eval", justify="right")
+            parts.append(self.vanilla_ms_per_token)
+            steps.append(f"{1e3 / self.vanilla_tok_s:.3f}" if self.vanilla_tok_s else "-")
         for part in TIME_PARTS:
             table.add_row(part, *(f"{split[part]:.3f}" for split in parts))
         table.add_row("decode step", *steps)

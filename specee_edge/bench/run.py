@@ -599,6 +599,7 @@ def _bench_on(model: Model, config: BenchConfig, reporter: Reporter, stack: Exit
         if peer_sampled and vanilla_sampled and base_sampled else None,
         baseline=baseline, tools=tools, dropped=dropped, baseline_sampled=baseline_sampled,
         bare_ms_per_token=greedy.context.time_split() if greedy.context else None,
+        vanilla_ms_per_token=vanilla.time_split(),
         notes=baseline_notes(config.llama_server_asked or config.llama_server is not None, baseline, baseline_sampled),
         repetition_by_category=by_category(repeated, categories),
         looping_answers=len(repeated) - len(no_loop),

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import numpy as np
-from llama_cpp import Llama
+from llama_cpp import Llama, llama_cpp
 from llama_cpp.llama_grammar import LlamaGrammar
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -91,6 +91,34 @@ def decode_answer(lane: AnswerLane, draw: Sampler, handle, step: Callable[[int],
         draw.close()
 
 
+@dataclass
+class StepParts:
+    """A lane's decode steps split as an engine's are (bench.run.time_split): the decode is `layers`, the draw
+    `sample`, and `other` whatever else the lane's timed step does (its loop; vanilla's detokenizing and stop
+    strings), so that the bare Context's and Llama.eval's llama_decode can be set side by side."""
+
+    decode_ms: float = 0.0  # summed over the timed steps
+    sample_ms: float = 0.0
+
+    def step(self, decode: Callable[[], object], draw: Callable[[], int]) -> int:
+        """decode(), then draw(): its token, each one's time added."""
+        t0 = time.perf_counter()
+        decode()
+        t1 = time.perf_counter()
+        drawn = draw()
+        self.decode_ms += (t1 - t0) * 1e3
+        self.sample_ms += (time.perf_counter() - t1) * 1e3
+        return drawn
+
+    def per_step(self, timing: Timing) -> dict[str, float]:
+        """ms per step of `timing` (the lane's timed steps, which these parts are of) by TIME_PARTS."""
+        parts = dict.fromkeys(TIME_PARTS, 0.0)
+        if timing.steps:
+            decode, sample = self.decode_ms / timing.steps, self.sample_ms / timing.steps
+            parts.update(layers=decode, sample=sample, other=timing.ms - decode - sample)
+        return parts
+
+
 class AnswerLane:
     """What every lane that answers a token at a time keeps: its limits, its draw, its timing and its answers.
     constrain: a fresh GrammarConstraint for each answer (None: no grammar)."""
@@ -121,6 +149,7 @@ class VanillaLane(AnswerLane):
                  constrain: Callable[[], GrammarConstraint] | None = None):
         super().__init__(max_tokens, is_eog, sampling, constrain)
         self.llm = llm
+        self.parts = StepParts()
 
     def answer(self, prompt: Sequence[int], watch: Stopwatch) -> None:
         self.timing.begin_prompt()
@@ -130,12 +159,22 @@ class VanillaLane(AnswerLane):
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         stops = StopMatcher(())
 
+        def decode(token: int) -> None:
+            self.llm.eval([token])
+            # on an asynchronous backend (RPC workers, a GPU) eval returns before the step has run: wait for it here,
+            # as Context.decode does, so that the draw's time is the draw's
+            llama_cpp.llama_synchronize(self.llm.ctx)
+
         def step(token: int) -> int:
             stops.feed(text.decode(self.llm.detokenize([token])))
-            self.llm.eval([token])  # on an asynchronous backend (RPC workers, a GPU) this returns before the step has
-            return draw.from_context(self.llm.ctx)  # run: reading the logits waits for it, timed too
+            return self.parts.step(lambda: decode(token), lambda: draw.from_context(self.llm.ctx))
 
         decode_answer(self, draw, self.llm.ctx, step, watch)
+
+    def time_split(self) -> dict[str, float]:
+        """ms per decode step by TIME_PARTS: Llama.eval is `layers`, the draw `sample`, the token's text and stop
+        strings `other`."""
+        return self.parts.per_step(self.timing)
 
 
 class ContextLane(AnswerLane):
@@ -151,8 +190,7 @@ class ContextLane(AnswerLane):
         super().__init__(max_tokens, is_eog, sampling, constrain)
         self.name = name
         self.ctx = ctx
-        self.decode_ms = 0.0  # summed over the timed steps
-        self.sample_ms = 0.0
+        self.parts = StepParts()
 
     def answer(self, prompt: Sequence[int], watch: Stopwatch) -> None:
         self.timing.begin_prompt()
@@ -160,25 +198,15 @@ class ContextLane(AnswerLane):
         self.ctx.decode(list(prompt))
         draw = self.sampler(prompt, self.ctx.n_vocab)
 
-        def step(token: int) -> int:
-            t0 = time.perf_counter()
-            self.ctx.decode([token])  # waits for the step on any backend
-            t1 = time.perf_counter()
-            drawn = draw.from_context(self.ctx.handle)
-            self.decode_ms += (t1 - t0) * 1e3
-            self.sample_ms += (time.perf_counter() - t1) * 1e3
-            return drawn
+        def step(token: int) -> int:  # Context.decode waits for the step on any backend
+            return self.parts.step(lambda: self.ctx.decode([token]), lambda: draw.from_context(self.ctx.handle))
 
         decode_answer(self, draw, self.ctx.handle, step, watch)
 
     def time_split(self) -> dict[str, float]:
-        """ms per decode step as an engine's are split (bench.run.time_split): the decode is `layers`, the draw
-        `sample`, and `other` what the lane's loop adds around them."""
-        parts = dict.fromkeys(TIME_PARTS, 0.0)
-        if self.timing.steps:
-            decode, sample = self.decode_ms / self.timing.steps, self.sample_ms / self.timing.steps
-            parts.update(layers=decode, sample=sample, other=self.timing.ms - decode - sample)
-        return parts
+        """ms per decode step by TIME_PARTS: the decode is `layers`, the draw `sample`, and `other` what the lane's
+        loop adds around them."""
+        return self.parts.per_step(self.timing)
 
 
 class PeerLane(AnswerLane):
